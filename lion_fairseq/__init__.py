@@ -1,0 +1,10 @@
+"""lion-fairseq: LION attention for fairseq. Importing the package (``--user-dir lion_fairseq``) registers
+its models, tasks and criterions with fairseq; ``lion_fairseq.ops`` is the pure-PyTorch operator."""
+try:
+    import fairseq  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "lion_fairseq needs fairseq. On Python 3.11 install the rebuild without its torchaudio pin:\n"
+        "  pip install torch==<your torch> && pip install --no-deps ve-fairseq==0.12.3 && "
+        "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)"
+    ) from e

@@ -1,0 +1,66 @@
+"""The LION options shared by every arch (``--lion-*``), as a fairseq dataclass."""
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+
+from ..modules.feature_maps import FEATURE_MAPS
+from ..modules.lion_attention import DEFAULT_FEATURE_MAP, VARIANTS, check_lion_options
+from ..ops import FORMS
+
+LION_FORM_CHOICES = ChoiceEnum(list(FORMS))
+LION_POSITION_CHOICES = ChoiceEnum(["learned", "none"])
+LION_FEATURE_MAP_CHOICES = ChoiceEnum(list(FEATURE_MAPS))
+LION_VARIANT_CHOICES = ChoiceEnum(list(VARIANTS))
+DEFAULT_POSITIONS = {"lit": "learned", "d": "none", "s": "none"}
+
+
+@dataclass
+class LionOptions(FairseqDataclass):
+    lion_variant: LION_VARIANT_CHOICES = field(
+        default="s", metadata={"help": "decay mask: lit (none), d (one learned decay per head), s (selective, per token)"})
+    lion_form: LION_FORM_CHOICES = field(
+        default="chunk", metadata={"help": "how attention is computed; all forms give the same outputs and "
+                                           "can be switched on a trained checkpoint with --model-overrides"})
+    lion_chunk_size: int = field(default=64, metadata={"help": "tokens per chunk of --lion-form chunk"})
+    lion_feature_map: Optional[LION_FEATURE_MAP_CHOICES] = field(
+        default=None, metadata={"help": "phi on queries and keys (default: elu for lit, silu_norm for d and s)"})
+    lion_normalize: bool = field(
+        default=True, metadata={"help": "divide each attention row by its sum (--no-lion-normalize to turn off)"})
+    lion_norm_after: bool = field(default=False, metadata={"help": "LayerNorm over each head's output after attention"})
+    lion_positions: Optional[LION_POSITION_CHOICES] = field(
+        default=None, metadata={"help": "learned absolute positions or none (default: learned for lit, none for d and s)"})
+
+
+def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
+    """fairseq turns a bool field that defaults to True into a store_false flag of the same name;
+    make it the ``--lion-normalize/--no-lion-normalize`` pair users expect."""
+    for action in list(parser._actions):
+        if "--lion-normalize" in action.option_strings:
+            for group in parser._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            parser._remove_action(action)
+            for opt in action.option_strings:
+                parser._option_string_actions.pop(opt, None)
+            parser.add_argument("--lion-normalize", dest="lion_normalize", action=argparse.BooleanOptionalAction,
+                                default=None, help=action.help)
+
+
+def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
+    """Keyword arguments of ``LionAttention`` from a model config (dataclass, DictConfig or Namespace);
+    raises ValueError naming the option when a value is wrong."""
+    variant = str(getattr(cfg, "lion_variant", "s"))
+    feature_map = getattr(cfg, "lion_feature_map", None) or DEFAULT_FEATURE_MAP.get(variant, "elu")
+    kwargs = dict(variant=variant, form=str(cfg.lion_form), chunk_size=cfg.lion_chunk_size,
+                  feature_map=str(feature_map), normalize=bool(cfg.lion_normalize),
+                  norm_after=bool(cfg.lion_norm_after))
+    check_lion_options(kwargs["variant"], kwargs["form"], kwargs["chunk_size"], kwargs["feature_map"],
+                       kwargs["normalize"])
+    return kwargs
+
+
+def lion_positions(cfg: Any) -> str:
+    variant = str(getattr(cfg, "lion_variant", "s"))
+    return str(getattr(cfg, "lion_positions", None) or DEFAULT_POSITIONS[variant])

@@ -1,0 +1,4 @@
+from .feature_maps import FEATURE_MAPS
+from .lion_attention import VARIANTS, LionAttention, check_lion_options
+
+__all__ = ["FEATURE_MAPS", "VARIANTS", "LionAttention", "check_lion_options"]

@@ -1,0 +1,28 @@
+"""Feature maps phi applied to queries and keys, per head: ``(..., D) -> (..., D)``."""
+from typing import Callable, Dict
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    return F.elu(x) + 1.0
+
+
+def silu_norm(x: Tensor) -> Tensor:
+    # silu(x) + 0.5 >= 0.22 > 0, so scores are positive and the row normaliser never vanishes
+    y = F.silu(x) + 0.5
+    return y / y.norm(dim=-1, keepdim=True)
+
+
+def identity(x: Tensor) -> Tensor:
+    return x
+
+
+FEATURE_MAPS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "elu": elu_plus_one,
+    "silu_norm": silu_norm,
+    "identity": identity,
+}
+# maps whose scores can be negative or zero: the row normaliser could divide by ~0
+SIGNED_FEATURE_MAPS = ("identity",)

@@ -1,0 +1,160 @@
+"""LionAttention: projections, feature map and decay gates around ``lion_fairseq.ops``, in fairseq's
+``T x B x C`` layout, with incremental (recurrent) decoding state."""
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.incremental_decoding_utils import with_incremental_state
+from torch import Tensor
+
+from ..ops import FORMS, causal_state, lion_attention, lion_step
+from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
+
+VARIANTS = ("lit", "d", "s")
+DEFAULT_FEATURE_MAP = {"lit": "elu", "d": "silu_norm", "s": "silu_norm"}
+
+
+def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: str, normalize: bool) -> None:
+    """Raise ValueError naming the command-line option for a bad combination."""
+    if variant not in VARIANTS:
+        raise ValueError(f"--lion-variant must be one of {VARIANTS}; got {variant!r}")
+    if form not in FORMS:
+        raise ValueError(f"--lion-form must be one of {FORMS}; got {form!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"--lion-chunk-size must be an integer >= 1; got {chunk_size!r}")
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"--lion-feature-map must be one of {tuple(FEATURE_MAPS)}; got {feature_map!r}")
+    if normalize and feature_map in SIGNED_FEATURE_MAPS:
+        raise ValueError(f"--lion-feature-map {feature_map} gives scores of either sign, so the row "
+                         "normaliser can divide by zero: add --no-lion-normalize (and usually "
+                         "--lion-norm-after), or pick --lion-feature-map elu or silu_norm")
+
+
+@with_incremental_state
+class LionAttention(nn.Module):
+    """LION multi-head attention. ``forward(x)`` maps ``x`` ``(T, B, C)`` to ``(T, B, C)``.
+
+    variant: ``"lit"`` (no decay), ``"d"`` (one learned decay per head) or ``"s"`` (a decay computed from
+    each token by a ``Linear(C, H)``). The decay between key j and query i is the product of the gates
+    ``lambda_j ... lambda_{i-1}`` (i > j) or ``lambda_{i+1} ... lambda_j`` (i < j).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, variant: str = "s", *, form: str = "chunk",
+                 chunk_size: int = 64, feature_map: Optional[str] = None, normalize: bool = True,
+                 norm_after: bool = False, causal: bool = False, bias: bool = True, eps: float = 1e-6):
+        super().__init__()
+        feature_map = feature_map or DEFAULT_FEATURE_MAP.get(variant, "elu")
+        check_lion_options(variant, form, chunk_size, feature_map, normalize)
+        if embed_dim % num_heads:
+            raise ValueError(f"embedding dim {embed_dim} must be divisible by the number of attention heads {num_heads}")
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.variant, self.form, self.chunk_size = variant, form, chunk_size
+        self.feature_map_name, self.phi = feature_map, FEATURE_MAPS[feature_map]
+        self.normalize, self.causal, self.eps = normalize, causal, eps
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        if variant == "d":
+            self.gate_logit = nn.Parameter(torch.randn(num_heads))
+        elif variant == "s":
+            self.gate_proj = nn.Linear(embed_dim, num_heads)
+        # the released MLM recipe's LayerNorm over each head's output
+        self.head_norm = nn.LayerNorm(self.head_dim) if norm_after else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=2 ** -0.5)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def log_gates(self, x: Tensor) -> Optional[Tensor]:
+        """``log lambda`` in float32: ``(B, H, T)`` for ``s``, ``(H, 1)`` for ``d``, None for ``lit``.
+        ``x``: ``(T, B, C)``. logsigmoid keeps it finite (no ``log(1 - sigmoid)``) and differentiable."""
+        if self.variant == "d":
+            return F.logsigmoid(self.gate_logit.float())[:, None]
+        if self.variant == "s":
+            return F.logsigmoid(self.gate_proj(x).float()).permute(1, 2, 0)
+        return None
+
+    def _heads(self, x: Tensor) -> Tensor:
+        T, B, _ = x.shape
+        return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
+
+    def forward(self, x: Tensor, key_padding_mask: Optional[Tensor] = None,
+                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None) -> Tensor:
+        """x: ``(T, B, C)``; key_padding_mask: ``(B, T)`` bool, True at padding. Returns ``(T, B, C)``.
+
+        With ``incremental_state`` (causal decoding) the module keeps only ``S`` ``(B, H, D, D)``,
+        ``z`` ``(B, H, D)`` and the last token's log-gate: a first call with T tokens prefills them in
+        one pass, later calls advance the recurrence token by token.
+        """
+        T, B, C = x.shape
+        if C != self.embed_dim:
+            raise ValueError(f"input has {C} channels; this LionAttention was built for {self.embed_dim}")
+        q = self.phi(self._heads(self.q_proj(x)))
+        k = self.phi(self._heads(self.k_proj(x)))
+        v = self._heads(self.v_proj(x))
+        log_lam = self.log_gates(x)
+        if incremental_state is not None:
+            if not self.causal:
+                raise ValueError("incremental decoding needs a causal LionAttention")
+            y = self._decode(q, k, v, log_lam, key_padding_mask, incremental_state)
+        else:
+            fwd, bwd = self._directional_gates(log_lam)
+            y = lion_attention(q, k, v, fwd, bwd, form=self.form, causal=self.causal, normalize=self.normalize,
+                               key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, eps=self.eps)
+        return self._output(y)
+
+    def _directional_gates(self, log_lam: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """Operator gates from per-position ``log lambda``: ``log_a_fwd[t] = log lambda_{t-1}`` and
+        ``log_a_bwd[t] = log lambda_{t+1}`` (0 at the ends, where they lie on no path)."""
+        if log_lam is None or self.variant == "d":
+            return log_lam, log_lam
+        return F.pad(log_lam[..., :-1], (1, 0)), F.pad(log_lam[..., 1:], (0, 1))
+
+    def _output(self, y: Tensor) -> Tensor:
+        if self.head_norm is not None:
+            y = self.head_norm(y)
+        B, H, T, D = y.shape
+        y = y.permute(2, 0, 1, 3).reshape(T, B, H * D)
+        return self.out_proj(y.to(self.out_proj.weight.dtype))
+
+    def _decode(self, q: Tensor, k: Tensor, v: Tensor, log_lam: Optional[Tensor],
+                key_padding_mask: Optional[Tensor], incremental_state) -> Tensor:
+        B, H, T, _ = q.shape
+        saved = self.get_incremental_state(incremental_state, "lion_state") or {}
+        lam = log_lam.expand(B, H, T) if log_lam is not None else None
+        if "S" not in saved:  # prefill: the causal form over the prompt, then its final state in one pass
+            fwd, _ = self._directional_gates(log_lam)
+            y = lion_attention(q, k, v, fwd, None, form=self.form, causal=True, normalize=self.normalize,
+                               key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, eps=self.eps)
+            # the state after token T-1 has the decay of lambda_{T-1} still to come: it is stored as the
+            # gate to apply before the next token (log_a_fwd[T] = log lambda_{T-1})
+            S, z = causal_state(k, v, fwd, key_padding_mask)
+            prev = lam[..., -1] if lam is not None else None
+        else:
+            S, z, prev = saved["S"], saved["z"], saved.get("prev_log_gate")
+            ys = []
+            for t in range(T):
+                y_t, (S, z) = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], prev, (S, z),
+                                        normalize=self.normalize, eps=self.eps)
+                ys.append(y_t)
+                prev = lam[..., t] if lam is not None else None
+            y = torch.stack(ys, dim=2)
+        new = {"S": S, "z": z}
+        if prev is not None:
+            new["prev_log_gate"] = prev
+        self.set_incremental_state(incremental_state, "lion_state", new)
+        return y
+
+    def reorder_incremental_state(self, incremental_state, new_order: Tensor) -> None:
+        """Select beams: every saved tensor has the batch first."""
+        saved = self.get_incremental_state(incremental_state, "lion_state")
+        if saved:
+            saved = {key: t.index_select(0, new_order) for key, t in saved.items()}
+            self.set_incremental_state(incremental_state, "lion_state", saved)

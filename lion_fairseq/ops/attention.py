@@ -1,0 +1,93 @@
+"""``lion_attention``: argument checks and the choice of form. The math lives in the form modules."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .chunk import chunk_attention
+from .parallel import parallel_attention
+from .recurrent import recurrent_attention
+
+FORMS = ("parallel", "chunk", "recurrent")
+# exp() of anything below this is 0 in float32 and float64; the floor keeps cumulative sums finite
+# (a gate of exactly 0 would give -inf - -inf = nan in their differences).
+LOG_GATE_MIN = -1e4
+
+
+def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """A log-gate as ``(b, h, L)`` with b in {1, B}, h in {1, H}, or None."""
+    if log_a is None:
+        return None
+    try:
+        shape = torch.broadcast_shapes(log_a.shape, (B, H, L))
+    except RuntimeError:
+        shape = None
+    if shape != (B, H, L):
+        raise ValueError(f"{name} must be broadcastable to (B, H, L) = {(B, H, L)}; got {tuple(log_a.shape)}")
+    a = log_a.to(dtype).clamp(min=LOG_GATE_MIN)
+    while a.dim() < 3:
+        a = a.unsqueeze(0)
+    return a.expand(a.shape[0], a.shape[1], L)
+
+
+def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
+                   log_a_bwd: Optional[Tensor] = None, *, form: str = "parallel", causal: bool = False,
+                   normalize: bool = True, key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64,
+                   eps: float = 1e-6) -> Tensor:
+    """LION attention ``y = norm((q k^T) * M) v`` with the decay mask ``M`` of the log-gates.
+
+    Args:
+        q, k: ``(B, H, L, Dk)``, already feature-mapped. v: ``(B, H, L, Dv)``.
+        log_a_fwd, log_a_bwd: log-gates ``<= 0``, ``(B, H, L)`` or broadcastable (``(H, 1)`` is one
+            gate per head); ``None`` means gate 1. ``M_ij = f_{j+1}...f_i`` for ``i > j``, ``M_ii = 1``,
+            ``M_ij = b_i...b_{j-1}`` for ``i < j`` (0 when ``causal``; ``log_a_bwd`` is then ignored).
+        form: ``"parallel"`` (L x L matrix), ``"chunk"`` (chunkwise state passing) or ``"recurrent"``
+            (two RNN scans); all three compute the same function.
+        normalize: divide each row by ``sum_j A_ij + eps``.
+        key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
+        chunk_size: tokens per chunk of the chunk form.
+    Returns:
+        ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs).
+    """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}; got {form!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, H, L, Dk); got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}; got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, H, L, Dv) with q's (B, H, L) = {tuple(q.shape[:3])}; got {tuple(v.shape)}")
+    B, H, L, _ = q.shape
+    if key_padding_mask is not None and (key_padding_mask.shape != (B, L) or key_padding_mask.dtype != torch.bool):
+        raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
+                         f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    out_dtype = v.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, :, None]
+        k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+    if causal:
+        log_a_bwd = None
+
+    if form == "parallel":
+        f = _gate(log_a_fwd, "log_a_fwd", B, H, L, torch.float64)
+        b = _gate(log_a_bwd, "log_a_bwd", B, H, L, torch.float64)
+        num, den = parallel_attention(q, k, v, f, b, causal)
+    else:
+        f = _gate(log_a_fwd, "log_a_fwd", B, H, L, dtype)
+        b = _gate(log_a_bwd, "log_a_bwd", B, H, L, dtype)
+        f = f.expand(B, H, L).contiguous() if f is not None else None
+        b = b.expand(B, H, L).contiguous() if b is not None else None
+        if normalize:  # the normaliser rides along as a column of ones in v
+            v = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
+        if form == "chunk":
+            out = chunk_attention(q, k, v, f, b, causal, chunk_size)
+        else:
+            out = recurrent_attention(q, k, v, f, b, causal)
+        num, den = (out[..., :-1], out[..., -1]) if normalize else (out, None)
+    y = num / (den[..., None] + eps) if normalize else num
+    return y.to(out_dtype)

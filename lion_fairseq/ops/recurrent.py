@@ -1,0 +1,96 @@
+"""The recurrent form: two RNN scans with a ``Dk x Dv`` state per head, and the one-token step."""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+State = Tuple[Tensor, Tensor]
+
+
+def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool, reverse: bool) -> Tensor:
+    """``o_i = q_i S_i`` with ``S_i = a_i S_{i-1} + k_i v_i^T`` (``S_{i+1}`` when ``reverse``).
+
+    ``strict`` reads the state before the current token is added (the diagonal excluded).
+    q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)``; log_a: ``(B, H, L)`` or None. Returns ``(B, H, L, Dv)``.
+    """
+    B, H, L, Dk = k.shape
+    S = q.new_zeros(B, H, Dk, v.shape[-1])
+    gate = log_a.exp() if log_a is not None else None
+    out = [None] * L
+    for t in (range(L - 1, -1, -1) if reverse else range(L)):
+        if gate is not None:
+            S = gate[:, :, t, None, None] * S
+        if strict:
+            out[t] = (q[:, :, t, None, :] @ S).squeeze(-2)
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        if not strict:
+            out[t] = (q[:, :, t, None, :] @ S).squeeze(-2)
+    return torch.stack(out, dim=2)
+
+
+def recurrent_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
+                        log_a_bwd: Optional[Tensor], causal: bool) -> Tensor:
+    """Forward scan (diagonal included) plus, unless ``causal``, a backward scan (diagonal excluded,
+    so it is counted once). ``v`` carries the normaliser as its last column. Returns ``(B, H, L, Dv)``."""
+    out = _scan(q, k, v, log_a_fwd, strict=False, reverse=False)
+    if not causal:
+        out = out + _scan(q, k, v, log_a_bwd, strict=True, reverse=True)
+    return out
+
+
+def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] = None,
+              state: Optional[State] = None, *, normalize: bool = True, eps: float = 1e-6) -> Tuple[Tensor, State]:
+    """One token of the causal recurrence, for decoding.
+
+    q_t, k_t: ``(B, H, Dk)``; v_t: ``(B, H, Dv)``; log_a_t: ``(B, H)`` (or broadcastable), ``None`` for
+    gate 1; state: ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32 (float64 for
+    float64 inputs), ``None`` at the start. Returns ``y_t`` ``(B, H, Dv)`` in ``v_t.dtype`` and the new state.
+    ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``, ``y_t = q_t S_t / (q_t . z_t + eps)``.
+    """
+    if q_t.dim() != 3 or q_t.shape != k_t.shape:
+        raise ValueError(f"q_t and k_t must both be (B, H, Dk); got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}")
+    if v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
+        raise ValueError(f"v_t must be (B, H, Dv) with the B, H of q_t; got {tuple(v_t.shape)}")
+    dtype = torch.float64 if v_t.dtype == torch.float64 else torch.float32
+    q, k, v = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
+    kv = k[..., :, None] * v[..., None, :]
+    if state is None:
+        S, z = kv, k
+    else:
+        S, z = state
+        if S.shape != kv.shape or z.shape != k.shape:
+            raise ValueError(f"state must be (S, z) of shapes {tuple(kv.shape)} and {tuple(k.shape)}; "
+                             f"got {tuple(S.shape)} and {tuple(z.shape)}")
+        if log_a_t is not None:
+            f = log_a_t.to(dtype).exp().expand(q.shape[:2])
+            S, z = f[..., None, None] * S, f[..., None] * z
+        S, z = S + kv, z + k
+    y = (q[..., None, :] @ S).squeeze(-2)
+    if normalize:
+        y = y / ((q * z).sum(-1, keepdim=True) + eps)
+    return y.to(v_t.dtype), (S, z)
+
+
+def causal_state(k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
+                 key_padding_mask: Optional[Tensor] = None) -> State:
+    """The state ``(S, z)`` that ``lion_step`` holds after the last of L tokens, in one pass: the prefill
+    of decoding without a token loop. ``S = sum_j (f_{j+1} ... f_{L-1}) k_j v_j^T``.
+
+    k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)``; log_a_fwd: ``(B, H, L)`` or broadcastable, or None;
+    key_padding_mask: ``(B, L)`` bool; padded tokens are skipped (their keys and gates), so a left- or
+    right-padded prompt leaves the state of its real tokens. Returns S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32.
+    """
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    B, H, L, _ = k.shape
+    k, v = k.to(dtype), v.to(dtype)
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, :, None]
+        k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+    if log_a_fwd is not None:
+        # exp(sum_{u>j} log f_u) from a float64 suffix sum: every argument <= 0, exact near the end
+        a = log_a_fwd.double().expand(B, H, L)
+        if key_padding_mask is not None:
+            a = a.masked_fill(key_padding_mask[:, None, :], 0.0)
+        suffix = a.flip(-1).cumsum(-1).flip(-1) - a
+        k = k * suffix.exp().to(dtype)[..., None]
+    return k.transpose(-1, -2) @ v, k.sum(-2)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The two commands of the README: `bash run.sh demo` (the main job) and `bash run.sh test`.
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/env.sh
+case "${1:-}" in
+  demo) shift; exec python -m lion_fairseq.benchmark.operator --small "$@" ;;
+  test) shift; exec python -m pytest -q tests "$@" ;;
+  *) echo "usage: bash run.sh {demo|test} [args...]" >&2; exit 2 ;;
+esac

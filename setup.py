@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="lion-fairseq",
+    version="0.1.0",
+    description="LION (bidirectional linear attention: trains like a Transformer, infers like an RNN) for fairseq",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["lion_fairseq", "lion_fairseq.*"]),
+    # torch is the user's own (CPU wheel here, their CUDA build on a cluster), and fairseq comes from
+    # ve-fairseq installed with --no-deps on Python 3.11 (its metadata pulls torchaudio): neither is
+    # named here, so installing this package never replaces them. See README "Install".
+    install_requires=["numpy", "sentencepiece"],
+    extras_require={
+        "fla": ["flash-linear-attention"],
+        "demo": ["tensorboard", "matplotlib"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["lion-fairseq-user-dir = lion_fairseq.user_dir:main"]},
+)

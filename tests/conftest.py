@@ -1,0 +1,53 @@
+"""Shared fixtures: a small real English corpus (pydoc_data.topics, shipped with every Python),
+binarised by fairseq-preprocess once per test session."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+USER_DIR = str(ROOT / "lion_fairseq")
+
+
+def corpus_lines(n_lines: int = 6000, max_words: int = 60):
+    """Lower-cased, word-tokenised lines of pydoc's topic help, deterministic."""
+    from pydoc_data.topics import topics
+
+    lines = []
+    for key in sorted(topics):
+        for raw in topics[key].splitlines():
+            words = re.findall(r"[a-z]+|[0-9]+|[^\sa-z0-9]", raw.lower())
+            if len(words) >= 4:
+                lines.append(" ".join(words[:max_words]))
+    return lines[:n_lines]
+
+
+def fairseq_cli(module: str, *args: str, cwd=None, timeout=900) -> subprocess.CompletedProcess:
+    """Run ``python -m fairseq_cli.<module>`` like a user's console command; fail loudly with its output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run([sys.executable, "-m", f"fairseq_cli.{module}", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"fairseq_cli.{module} {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def text_data_bin(tmp_path_factory) -> Path:
+    """A binarised word-level corpus (train/valid/test) in fairseq's layout, with dict.txt."""
+    root = tmp_path_factory.mktemp("corpus")
+    lines = corpus_lines()
+    n = len(lines)
+    splits = {"train": lines[: int(n * 0.9)], "valid": lines[int(n * 0.9): int(n * 0.95)],
+              "test": lines[int(n * 0.95):]}
+    for name, part in splits.items():
+        (root / f"{name}.txt").write_text("\n".join(part) + "\n")
+    out = root / "bin"
+    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.txt"),
+                "--validpref", str(root / "valid.txt"), "--testpref", str(root / "test.txt"),
+                "--destdir", str(out), "--nwordssrc", "2000", "--workers", "1")
+    return out
