@@ -8,3 +8,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "  pip install torch==<your torch> && pip install --no-deps ve-fairseq==0.12.3 && "
         "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)"
     ) from e
+
+from . import models  # noqa: E402,F401  (registers the models with fairseq)
+from . import tasks  # noqa: E402,F401
