@@ -38,21 +38,21 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Ten
     return y
 
 
-def fast_reference_attention(q, k, v, log_a_fwd=None, log_a_bwd=None, *, causal=False, normalize=True,
-                             key_padding_mask=None, eps=1e-6):
-    """The same definition with the mask from float64 cumulative sums, for L in the thousands where the
-    product loops above would take too long; checked against ``reference_attention`` in the tests."""
+def fast_reference_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
+                             log_a_bwd: Optional[Tensor] = None, *, causal: bool = False, normalize: bool = True,
+                             key_padding_mask: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+    """The same definition with the mask's products taken as differences of float64 cumulative sums, for L
+    in the thousands where the loops above are too slow; checked against ``reference_attention``."""
     q, k, v = q.double(), k.double(), v.double()
     B, H, L, _ = q.shape
     zero = torch.zeros(B, H, L, dtype=torch.float64)
-    F_ = (log_a_fwd.double().expand(B, H, L) if log_a_fwd is not None else zero).cumsum(-1)
-    G = (log_a_bwd.double().expand(B, H, L) if log_a_bwd is not None else zero).cumsum(-1)
+    a = log_a_fwd.double().expand(B, H, L) if log_a_fwd is not None else zero
+    b = log_a_bwd.double().expand(B, H, L) if log_a_bwd is not None else zero
+    fwd = a.cumsum(-1)             # log f_1 ... f_i, up to a constant
+    bwd = b.cumsum(-1) - b         # log b_0 ... b_{i-1}
     i = torch.arange(L)
     lower = i[:, None] >= i[None, :]
-    logM = torch.where(lower, F_[..., :, None] - F_[..., None, :],
-                       (G[..., None, :] - G[..., :, None]) - (log_a_bwd.double().expand(B, H, L)[..., None, :]
-                                                              if log_a_bwd is not None else 0.0)
-                       + (log_a_bwd.double().expand(B, H, L)[..., :, None] if log_a_bwd is not None else 0.0))
+    logM = torch.where(lower, fwd[..., :, None] - fwd[..., None, :], bwd[..., None, :] - bwd[..., :, None])
     if causal:
         logM = logM.masked_fill(~lower, float("-inf"))
     A = (q @ k.transpose(-1, -2)) * logM.exp()

@@ -1,0 +1,176 @@
+"""The three forms of the LION operator against a literal float64 reference (SPEC section 1)."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lion_fairseq.ops import FORMS, causal_state, lion_attention, lion_step
+from reference import fast_reference_attention, reference_attention
+
+C = 8  # chunk size of these tests: small, so that L crosses several chunk borders
+B, H, DK, DV = 2, 3, 5, 4
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def make_inputs(L, gates, b=B, h=H, seed=0, dtype=torch.float32):
+    """Positive features (as phi gives) for q, k; signed v; log-gates of the requested kind."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(b, h, L, DK, generator=g) + 0.05
+    k = torch.rand(b, h, L, DK, generator=g) + 0.05
+    v = torch.randn(b, h, L, DV, generator=g)
+    if gates == "none":
+        f = bw = None
+    elif gates == "head":  # one gate per head, broadcast over batch and positions
+        f = F.logsigmoid(torch.randn(h, 1, generator=g) + 1)
+        bw = F.logsigmoid(torch.randn(h, 1, generator=g) + 1)
+    else:
+        f = F.logsigmoid(torch.randn(b, h, L, generator=g) + 1)
+        bw = F.logsigmoid(torch.randn(b, h, L, generator=g) + 1)
+    return [x.to(dtype) if x is not None else None for x in (q, k, v, f, bw)]
+
+
+def grads(fn, inputs, weight):
+    """Gradients of ``sum(fn(*inputs) * weight)`` w.r.t. every tensor input."""
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in inputs]
+    (fn(*leaves) * weight.to(leaves[2].dtype)).sum().backward()
+    return [x.grad if x is not None else None for x in leaves]
+
+
+@pytest.mark.parametrize("L", [1, C - 1, C, C + 1, 3 * C + 5])
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("causal,normalize", list(itertools.product([False, True], [True, False])))
+def test_forms_equal_reference_with_gradients(L, gates, causal, normalize):
+    inputs = make_inputs(L, gates, seed=L)
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1))
+    ref_fn = lambda *x: reference_attention(*x, causal=causal, normalize=normalize)  # noqa: E731
+    ref = ref_fn(*[x.double() if x is not None else None for x in inputs])
+    ref_grads = grads(ref_fn, [x.double() if x is not None else None for x in inputs], weight)
+    for form in FORMS:
+        fn = lambda *x: lion_attention(*x, form=form, causal=causal, normalize=normalize, chunk_size=C)  # noqa: E731
+        y = fn(*inputs)
+        assert y.dtype == torch.float32 and y.shape == (B, H, L, DV)
+        assert rel_err(y, ref) < 1e-4, form
+        for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight), ref_grads):
+            if rg is None or (causal and name == "log_a_bwd"):
+                continue
+            assert g is not None, (form, name)
+            # an absolute floor: with L = 1 and normalisation, dy/dq is eps-sized and pure round-off
+            assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, (form, name)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_float64(form, causal):
+    q, k, v, f, b = make_inputs(6, "token", b=1, h=2, dtype=torch.float64)
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, f, b))
+    fn = lambda *x: lion_attention(*x, form=form, causal=causal, chunk_size=4)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_reference_cumsum_twin_matches_literal_products():
+    for causal in (False, True):
+        inputs = make_inputs(11, "token", dtype=torch.float64)
+        assert rel_err(fast_reference_attention(*inputs, causal=causal), reference_attention(*inputs, causal=causal)) < 1e-12
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_on_either_side_changes_nothing(form, causal):
+    L, P = 11, 5
+    q, k, v, f, b = make_inputs(L, "token", b=1)
+    alone = lion_attention(q, k, v, f, b, form=form, causal=causal, chunk_size=4)
+    junk = make_inputs(P, "token", b=1, seed=7)
+    for side in ("right", "left"):
+        cat = (lambda x, j: torch.cat([x, j], 2)) if side == "right" else (lambda x, j: torch.cat([j, x], 2))
+        padded = [cat(x, j) for x, j in zip((q, k, v, f, b), junk)]
+        mask = torch.zeros(1, L + P, dtype=torch.bool)
+        real = slice(0, L) if side == "right" else slice(P, L + P)
+        mask[:, slice(L, L + P) if side == "right" else slice(0, P)] = True
+        # a second row, unpadded, makes it a batch whose rows need different masks
+        other = make_inputs(L + P, "token", b=1, seed=3)
+        batch = [torch.cat([x, o], 0) for x, o in zip(padded, other)]
+        mask = torch.cat([mask, torch.zeros_like(mask)], 0)
+        y = lion_attention(*batch, form=form, causal=causal, key_padding_mask=mask, chunk_size=4)
+        assert torch.isfinite(y).all()
+        assert rel_err(y[:1, :, real], alone) < 1e-5, side
+        assert rel_err(y[1:], lion_attention(*other, form=form, causal=causal, chunk_size=4)) < 1e-5
+
+
+def test_long_sequence_strong_decay_stays_finite_and_forms_agree():
+    L = 16384
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.rand(1, 2, L, 8, generator=g), torch.rand(1, 2, L, 8, generator=g)
+    v = torch.randn(1, 2, L, 8, generator=g)
+    gate = torch.full((1, 2, L), -5.0)
+    with torch.no_grad():
+        chunk = lion_attention(q, k, v, gate, gate, form="chunk")
+        rec = lion_attention(q, k, v, gate, gate, form="recurrent")
+    assert torch.isfinite(chunk).all() and torch.isfinite(rec).all()
+    assert rel_err(chunk, rec) < 1e-4
+    n = 2048
+    ref = fast_reference_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], gate[..., :n], gate[..., :n])
+    for form in FORMS:
+        with torch.no_grad():
+            y = lion_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], gate[..., :n], gate[..., :n], form=form)
+        assert rel_err(y, ref) < 1e-4, form
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_chunk_form(causal):
+    inputs = make_inputs(3 * C + 5, "token", dtype=torch.bfloat16)
+    y = lion_attention(*inputs, form="chunk", causal=causal, chunk_size=C)
+    assert y.dtype == torch.bfloat16
+    ref = reference_attention(*[x.double() for x in inputs], causal=causal)
+    rms = lambda x: x.double().pow(2).mean().sqrt()  # noqa: E731
+    assert rms(y.double() - ref) / rms(ref) < 1e-2
+
+
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_token_by_token_step_equals_causal_form(gates, normalize):
+    L = 2 * C + 3
+    q, k, v, f, _ = make_inputs(L, gates)
+    full = lion_attention(q, k, v, f, form="chunk", causal=True, normalize=normalize, chunk_size=C)
+    state, ys = None, []
+    for t in range(L):
+        f_t = None if f is None else f.expand(B, H, L)[..., t]
+        y_t, state = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], f_t, state, normalize=normalize)
+        ys.append(y_t)
+    assert rel_err(torch.stack(ys, 2), full) < 1e-5
+    # the state after the loop is what causal_state gives in one pass, also behind padding
+    S, z = causal_state(k, v, f)
+    assert rel_err(S, state[0]) < 1e-5 and rel_err(z, state[1]) < 1e-5
+    assert state[0].shape == (B, H, DK, DV) and state[1].shape == (B, H, DK)
+    junk = make_inputs(4, gates, seed=9)
+    mask = torch.zeros(B, L + 4, dtype=torch.bool)
+    mask[:, :4] = True
+    f_pad = None if f is None else torch.cat([junk[3].expand(B, H, 4), f.expand(B, H, L)], -1)
+    S_left, _ = causal_state(torch.cat([junk[1], k], 2), torch.cat([junk[2], v], 2), f_pad, mask)
+    assert rel_err(S_left, state[0]) < 1e-5
+
+
+def test_bad_arguments_name_the_argument():
+    q, k, v, f, b = make_inputs(5, "token")
+    with pytest.raises(ValueError, match="form"):
+        lion_attention(q, k, v, form="fft")
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="chunk_size"):
+            lion_attention(q, k, v, form="chunk", chunk_size=bad)
+    with pytest.raises(ValueError, match="k must"):
+        lion_attention(q, k[:, :, :4], v)
+    with pytest.raises(ValueError, match="v must"):
+        lion_attention(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match="q must"):
+        lion_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="log_a_fwd"):
+        lion_attention(q, k, v, f[..., :4])
+    with pytest.raises(ValueError, match="log_a_bwd"):
+        lion_attention(q, k, v, f, b[:1, :2])
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        lion_attention(q, k, v, key_padding_mask=torch.zeros(B, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="state"):
+        lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1)))
