@@ -16,16 +16,20 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool
     B, H, L, Dk = k.shape
     S = q.new_zeros(B, H, Dk, v.shape[-1])
     gate = log_a.exp() if log_a is not None else None
-    out = [None] * L
+    # written in place: a list of small per-token outputs would pin the freed states between them
+    # in the allocator and grow memory by a state per token
+    out = q.new_empty(B, H, L, v.shape[-1])
+    inplace = not torch.is_grad_enabled()
     for t in (range(L - 1, -1, -1) if reverse else range(L)):
         if gate is not None:
-            S = gate[:, :, t, None, None] * S
+            S = S.mul_(gate[:, :, t, None, None]) if inplace else gate[:, :, t, None, None] * S
         if strict:
-            out[t] = (q[:, :, t, None, :] @ S).squeeze(-2)
-        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
+            out[:, :, t] = (q[:, :, t, None, :] @ S).squeeze(-2)
+        kv = k[:, :, t, :, None] * v[:, :, t, None, :]
+        S = S.add_(kv) if inplace else S + kv
         if not strict:
-            out[t] = (q[:, :, t, None, :] @ S).squeeze(-2)
-    return torch.stack(out, dim=2)
+            out[:, :, t] = (q[:, :, t, None, :] @ S).squeeze(-2)
+    return out
 
 
 def recurrent_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
