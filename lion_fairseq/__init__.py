@@ -8,6 +8,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "  pip install torch==<your torch> && pip install --no-deps ve-fairseq==0.12.3 && "
         "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)"
     ) from e
+if tuple(int(x) for x in fairseq.__version__.split(".")[:2] if x.isdigit()) < (0, 12):
+    raise ImportError(f"lion_fairseq needs fairseq >= 0.12 (found {fairseq.__version__}); on Python 3.11 "
+                      "install ve-fairseq==0.12.3 with --no-deps (see README, Install)")
 
+from . import numpy_compat  # noqa: E402,F401  (fairseq 0.12 reads np.compat.long, gone in numpy 2)
 from . import models  # noqa: E402,F401  (registers the models with fairseq)
 from . import tasks  # noqa: E402,F401
