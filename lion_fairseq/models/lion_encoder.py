@@ -1,0 +1,294 @@
+"""The LION bidirectional encoder as a RoBERTa-compatible fairseq model (``lion_roberta``).
+
+It trains with ``--task masked_lm --criterion masked_lm`` and fine-tunes with ``--task sentence_prediction
+--restore-file <mlm checkpoint>`` exactly like RoBERTa: it is a ``RobertaModel`` subclass with RoBERTa's
+LM head, classification heads and head reconciliation on load; only the encoder stack differs (LION
+attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retnet`` (= ``lion_d``), and
+``_large`` / ``_tiny`` sizes of each. The config is a dataclass, so checkpoints reload under torch's
+``weights_only`` default, and ``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form.
+"""
+import argparse
+import contextlib
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from fairseq import utils
+from fairseq.data import encoders
+from fairseq.dataclass import ChoiceEnum
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models import FairseqEncoder, register_model, register_model_architecture
+from fairseq.models.roberta.hub_interface import RobertaHubInterface
+from fairseq.models.roberta.model import RobertaLMHead, RobertaModel
+from fairseq.modules import LayerDropModuleList, LayerNorm, PositionalEmbedding
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from omegaconf import OmegaConf, open_dict
+from torch import Tensor
+
+from ..modules.encoder_layer import LionEncoderLayer
+from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions
+
+logger = logging.getLogger(__name__)
+
+# max_positions() without position embeddings: LION-D/S encode any length; fairseq takes the min with
+# the task's limit, so this only has to be larger than anything real
+UNBOUNDED_POSITIONS = 1_000_000_000
+
+
+@dataclass
+class LionEncoderConfig(LionOptions):
+    encoder_layers: int = field(default=12, metadata={"help": "num encoder layers"})
+    encoder_embed_dim: int = field(default=768, metadata={"help": "encoder embedding dimension"})
+    encoder_ffn_embed_dim: int = field(default=3072, metadata={"help": "encoder embedding dimension for FFN"})
+    encoder_attention_heads: int = field(default=12, metadata={"help": "num encoder attention heads"})
+    encoder_normalize_before: bool = field(
+        default=False, metadata={"help": "apply layernorm before each encoder block (pre-norm)"})
+    layernorm_embedding: bool = field(
+        default=True, metadata={"help": "layernorm on the embeddings, as RoBERTa (--no-layernorm-embedding to drop it)"})
+    activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
+        default="gelu", metadata={"help": "activation function of the FFN and the LM head"})
+    pooler_activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
+        default="tanh", metadata={"help": "activation function of the classification heads"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    attention_dropout: float = field(
+        default=0.0, metadata={"help": "dropout on the attention output before the output projection "
+                                       "(LION has no attention weights to drop)"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout probability after activation in FFN"})
+    pooler_dropout: float = field(default=0.0, metadata={"help": "dropout probability in the classification heads"})
+    encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for encoder"})
+    max_positions: Optional[int] = field(
+        default=None, metadata={"help": "number of learned positions (default: the task's --tokens-per-sample); "
+                                        "unused with --lion-positions none"})
+    load_checkpoint_heads: bool = field(
+        default=False, metadata={"help": "(re-)register and load heads when loading checkpoints"})
+    untie_weights_roberta: bool = field(
+        default=False, metadata={"help": "untie weights between embeddings and the LM head"})
+    quant_noise_pq: float = field(default=0.0, metadata={"help": "PQ quantization noise of the classification heads"})
+    quant_noise_pq_block_size: int = field(default=8, metadata={"help": "block size of that noise"})
+    spectral_norm_classification_head: bool = field(
+        default=False, metadata={"help": "spectral normalization on the classification head"})
+
+
+def _boolean_optional(parser: Any, option: str) -> None:
+    """fairseq makes a bool field that defaults to True a store_false flag of the same name (so
+    ``--layernorm-embedding`` would turn it off); make it ``--x/--no-x``, default None (arch decides)."""
+    for action in list(parser._actions):
+        if option in action.option_strings:
+            for group in parser._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            parser._remove_action(action)
+            for opt in action.option_strings:
+                parser._option_string_actions.pop(opt, None)
+            parser.add_argument(option, dest=action.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=action.help)
+
+
+class LionSentenceEncoder(FairseqEncoder):
+    """Token (and optional learned position) embeddings, then a stack of :class:`LionEncoderLayer`.
+    Same submodule names and output dict as fairseq's ``TransformerEncoder``."""
+
+    def __init__(self, cfg: Any, dictionary, embed_tokens: nn.Embedding):
+        super().__init__(dictionary)
+        embed_dim = cfg.encoder_embed_dim
+        self.padding_idx = embed_tokens.padding_idx
+        self.embed_tokens = embed_tokens
+        self.embed_positions = (
+            PositionalEmbedding(cfg.max_positions, embed_dim, self.padding_idx, learned=True)
+            if lion_positions(cfg) == "learned" else None)
+        self.layernorm_embedding = LayerNorm(embed_dim) if cfg.layernorm_embedding else None
+        self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
+        attention = lion_attention_kwargs(cfg)
+        layers = [
+            LionEncoderLayer(embed_dim, cfg.encoder_attention_heads, cfg.encoder_ffn_embed_dim, attention,
+                             dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+                             activation_dropout=cfg.activation_dropout, activation_fn=str(cfg.activation_fn),
+                             normalize_before=cfg.encoder_normalize_before)
+            for _ in range(cfg.encoder_layers)]
+        self.layers = LayerDropModuleList(cfg.encoder_layerdrop, layers) if cfg.encoder_layerdrop > 0 \
+            else nn.ModuleList(layers)
+        # pre-norm leaves the residual stream unnormalised: one LayerNorm at the end, as fairseq does
+        self.layer_norm = LayerNorm(embed_dim) if cfg.encoder_normalize_before else None
+
+    def forward(self, src_tokens: Tensor, return_all_hiddens: bool = False, **unused) -> Dict[str, List[Tensor]]:
+        """src_tokens: ``(B, T)``. Returns ``encoder_out`` ``[(T, B, C)]``, ``encoder_padding_mask``
+        ``[(B, T)]`` and, with ``return_all_hiddens``, ``encoder_states`` (the embeddings and every
+        layer's output, each ``(T, B, C)``)."""
+        padding_mask = src_tokens.eq(self.padding_idx)
+        x = self.embed_tokens(src_tokens)
+        if self.embed_positions is not None:
+            # make_positions counts only real tokens: a right- or left-padded sentence gets the
+            # positions it has alone
+            x = x + self.embed_positions(src_tokens)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x)
+        has_pads = bool(padding_mask.any())
+        if has_pads:
+            x = x * (1 - padding_mask.unsqueeze(-1).type_as(x))
+        x = x.transpose(0, 1)  # B x T x C -> T x B x C
+        states = [x] if return_all_hiddens else []
+        for layer in self.layers:
+            x = layer(x, encoder_padding_mask=padding_mask if has_pads else None)
+            if return_all_hiddens:
+                states.append(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+            if return_all_hiddens:
+                states[-1] = x
+        return {"encoder_out": [x], "encoder_padding_mask": [padding_mask], "encoder_states": states,
+                "src_tokens": [], "src_lengths": []}
+
+    def max_positions(self) -> int:
+        return self.embed_positions.max_positions if self.embed_positions is not None else UNBOUNDED_POSITIONS
+
+
+class LionRobertaEncoder(FairseqEncoder):
+    """RoBERTa's encoder interface (``sentence_encoder`` + ``lm_head``) around a LION stack."""
+
+    def __init__(self, cfg: Any, dictionary):
+        super().__init__(dictionary)
+        self.args = cfg
+        embed_tokens = nn.Embedding(len(dictionary), cfg.encoder_embed_dim, dictionary.pad())
+        self.sentence_encoder = LionSentenceEncoder(cfg, dictionary, embed_tokens)
+        self.lm_head = RobertaLMHead(
+            embed_dim=cfg.encoder_embed_dim, output_dim=len(dictionary), activation_fn=str(cfg.activation_fn),
+            weight=None if cfg.untie_weights_roberta else embed_tokens.weight)
+
+    def forward(self, src_tokens: Tensor, features_only: bool = False, return_all_hiddens: bool = False,
+                masked_tokens: Optional[Tensor] = None, **unused):
+        """src_tokens ``(B, T)`` -> logits ``(B, T, V)`` (or ``(n_masked, V)`` with masked_tokens), or
+        features ``(B, T, C)`` when ``features_only``; and ``{"inner_states": [(T, B, C)] or None}``."""
+        x, extra = self.extract_features(src_tokens, return_all_hiddens=return_all_hiddens)
+        if not features_only:
+            x = self.output_layer(x, masked_tokens=masked_tokens)
+        return x, extra
+
+    def extract_features(self, src_tokens: Tensor, return_all_hiddens: bool = False, **unused):
+        out = self.sentence_encoder(src_tokens, return_all_hiddens=return_all_hiddens)
+        features = out["encoder_out"][0].transpose(0, 1)
+        return features, {"inner_states": out["encoder_states"] if return_all_hiddens else None}
+
+    def output_layer(self, features: Tensor, masked_tokens: Optional[Tensor] = None, **unused) -> Tensor:
+        return self.lm_head(features, masked_tokens)
+
+    def max_positions(self) -> int:
+        return self.sentence_encoder.max_positions()
+
+
+class _WhitespaceTokens:
+    """The hub's ``bpe`` when the data has none: dictionary units are whitespace-separated words."""
+
+    def encode(self, x: str) -> str:
+        return " ".join(x.split())
+
+    def decode(self, x: str) -> str:
+        return x
+
+
+class LionHubInterface(RobertaHubInterface):
+    """RoBERTa's hub interface (``encode``, ``extract_features``, ``predict``, ``fill_mask``, ...) for
+    LION encoders, also for data without BPE (``bpe=None``: whitespace-separated dictionary units)."""
+
+    def __init__(self, cfg, task, model):
+        super().__init__(cfg, task, model)
+        if self.bpe is None:
+            self.bpe = _WhitespaceTokens()
+
+    def fill_mask(self, masked_input: str, topk: int = 5):
+        """Top-k fillers of the single ``<mask>`` in ``masked_input``: a list of (filled sentence,
+        probability, token), most probable first."""
+        if not isinstance(self.bpe, _WhitespaceTokens):
+            return super().fill_mask(masked_input, topk=topk)
+        if masked_input.count("<mask>") != 1:
+            raise ValueError(f"fill_mask needs exactly one <mask> in its input; got {masked_input!r}")
+        tokens = self.encode(masked_input)
+        masked_index = (tokens == self.task.mask_idx).nonzero(as_tuple=False).view(-1)
+        with utils.model_eval(self.model), torch.no_grad():
+            logits, _ = self.model(tokens.unsqueeze(0).to(device=self.device), features_only=False)
+        prob = logits[0, masked_index[0]].float().softmax(dim=-1)
+        values, index = prob.topk(k=topk)
+        out = []
+        for p, i in zip(values.tolist(), index.tolist()):
+            word = self.task.source_dictionary[i]
+            out.append((masked_input.replace("<mask>", word), p, word))
+        return out
+
+
+@register_model("lion_roberta", dataclass=LionEncoderConfig)
+class LionRobertaModel(RobertaModel):
+    """RoBERTa with LION attention: ``(B, T)`` tokens -> LM logits, features or classification logits."""
+
+    def __init__(self, cfg: Any, encoder: LionRobertaEncoder):
+        # RobertaModel.__init__ sets self.args, applies BERT's initialisation (normal(0, 0.02) on every
+        # Linear and Embedding, LION's projections and LION-S gate included) and makes the head dict
+        super().__init__(cfg, encoder)
+
+    @classmethod
+    def hub_models(cls) -> Dict[str, str]:
+        return {}
+
+    @classmethod
+    def add_args(cls, parser) -> None:
+        gen_parser_from_dataclass(parser, LionEncoderConfig(), delete_default=True)
+        fix_lion_flags(parser)
+        _boolean_optional(parser, "--layernorm-embedding")
+
+    @classmethod
+    def build_model(cls, cfg: Any, task) -> "LionRobertaModel":
+        with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
+            lion_roberta_base(cfg)
+            if cfg.max_positions is None:
+                cfg.max_positions = task.max_positions()
+        lion_attention_kwargs(cfg)  # a bad --lion-* option stops here, with its name
+        return cls(cfg, LionRobertaEncoder(cfg, task.source_dictionary))
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
+                        data_name_or_path: str = ".", bpe: Optional[str] = None, **kwargs) -> LionHubInterface:
+        """Load a checkpoint for inference: ``from_pretrained(checkpoint_dir, "checkpoint_best.pt",
+        data_bin_dir)``. ``bpe=None`` (default) reads whitespace-separated dictionary units; pass
+        ``bpe="sentencepiece", sentencepiece_model=...`` (or gpt2) for BPE data.
+        ``model_overrides``-style keys go in kwargs, e.g. ``lion_form="recurrent"``."""
+        from fairseq import hub_utils
+
+        x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                      archive_map=cls.hub_models(), bpe=bpe, load_checkpoint_heads=True, **kwargs)
+        return LionHubInterface(x["args"], x["task"], x["models"][0])
+
+
+# ---- architectures --------------------------------------------------------------------------------
+
+SIZES = {
+    "": dict(encoder_layers=12, encoder_embed_dim=768, encoder_ffn_embed_dim=3072, encoder_attention_heads=12),
+    "_large": dict(encoder_layers=24, encoder_embed_dim=1024, encoder_ffn_embed_dim=4096, encoder_attention_heads=16),
+    "_tiny": dict(encoder_layers=2, encoder_embed_dim=128, encoder_ffn_embed_dim=512, encoder_attention_heads=2),
+}
+VARIANT_OF_ARCH = {"lion_lit": "lit", "lion_d": "d", "lion_retnet": "d", "lion_s": "s"}
+
+
+def lion_roberta_base(args: Any) -> None:
+    """Fill every option the command line left unset (None) with the config's default."""
+    for f in fields(LionEncoderConfig):
+        if f.name.startswith("_"):
+            continue
+        if getattr(args, f.name, None) is None:
+            setattr(args, f.name, f.default)
+
+
+def _make_arch(variant: str, size: Dict[str, int]):
+    def arch(args: Any) -> None:
+        for name, value in dict(size, lion_variant=variant).items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+        lion_roberta_base(args)
+    return arch
+
+
+for _prefix, _variant in VARIANT_OF_ARCH.items():
+    for _suffix, _size in SIZES.items():
+        if _prefix == "lion_retnet" and _suffix:
+            continue  # lion_retnet is an alias of the base-size lion_d only (SPEC section 4)
+        register_model_architecture("lion_roberta", _prefix + _suffix)(_make_arch(_variant, _size))

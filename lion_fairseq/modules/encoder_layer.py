@@ -1,0 +1,69 @@
+"""LionEncoderLayer: one bidirectional LION block (LionAttention + FFN), laid out like fairseq's
+``TransformerEncoderLayer`` (same submodule names, post-norm by default, pre-norm on request)."""
+from typing import Any, Dict, Optional
+
+import torch.nn as nn
+from fairseq import utils
+from fairseq.modules import LayerNorm
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from torch import Tensor
+
+from .lion_attention import LionAttention
+
+
+class LionEncoderLayer(nn.Module):
+    """``x`` ``(T, B, C)`` -> ``(T, B, C)``.
+
+    Post-norm (RoBERTa/BERT): ``x = LN(x + drop(attn(x)))``, ``x = LN(x + drop(fc2(drop_act(act(fc1(x))))))``.
+    Pre-norm (``normalize_before``): ``x = x + drop(attn(LN(x)))``, likewise for the FFN.
+
+    Dropout sits where fairseq's layer has it: ``dropout`` after attention and after the FFN,
+    ``activation_dropout`` inside the FFN. LION never forms attention weights (the chunk and recurrent
+    forms have none to drop), so ``attention_dropout`` drops the mixed values of every head just before
+    the output projection, the nearest equivalent.
+
+    attention: keyword arguments of :class:`LionAttention` (variant, form, chunk_size, feature_map,
+    normalize, norm_after), e.g. from ``lion_options.lion_attention_kwargs(cfg)``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, ffn_embed_dim: int, attention: Dict[str, Any], *,
+                 dropout: float = 0.1, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
+                 activation_fn: str = "gelu", normalize_before: bool = False):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.normalize_before = normalize_before
+        self.self_attn = LionAttention(embed_dim, num_heads, causal=False, **attention)
+        self.attention_dropout_module = FairseqDropout(attention_dropout, module_name=self.__class__.__name__)
+        if attention_dropout > 0:
+            # out_proj is the last step of LionAttention: dropping its input drops the attention output
+            self.self_attn.out_proj.register_forward_pre_hook(self._drop_attention_output)
+        self.self_attn_layer_norm = LayerNorm(embed_dim)
+        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+        self.activation_fn = utils.get_activation_fn(activation=activation_fn)
+        self.activation_dropout_module = FairseqDropout(activation_dropout, module_name=self.__class__.__name__)
+        self.fc1 = nn.Linear(embed_dim, ffn_embed_dim)
+        self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)
+        self.final_layer_norm = LayerNorm(embed_dim)
+
+    def _drop_attention_output(self, _module: nn.Module, args: tuple) -> tuple:
+        return (self.attention_dropout_module(args[0]),) + tuple(args[1:])
+
+    def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """x: ``(T, B, C)``; encoder_padding_mask: ``(B, T)`` bool, True at padding (or None).
+        Returns ``(T, B, C)``; outputs at padded positions are meaningless but finite."""
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        x = self.self_attn(x, key_padding_mask=encoder_padding_mask)
+        x = residual + self.dropout_module(x)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.activation_dropout_module(self.activation_fn(self.fc1(x)))
+        x = residual + self.dropout_module(self.fc2(x))
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x

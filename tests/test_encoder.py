@@ -1,0 +1,250 @@
+"""The LION encoders through fairseq itself: masked-LM training with fairseq-train, checkpoint reload,
+form switching, padding, GLUE-style fine-tuning from the MLM checkpoint, the hub interface, gate
+gradients and option errors. Tiny models on a small real corpus (pydoc topics), CPU."""
+import json
+import random
+import re
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does in the CLIs)
+from conftest import USER_DIR, corpus_lines, fairseq_cli
+
+VARIANTS = ("lit", "d", "s")
+FORMS = ("parallel", "chunk", "recurrent")
+# train each variant in a different form, so every form's backward is used by a real fairseq-train run
+TRAIN_FORM = {"lit": "parallel", "d": "chunk", "s": "recurrent"}
+TOKENS_PER_SAMPLE = 64
+MLM_UPDATES = 30
+
+COMMON = ["--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--seed", "1", "--optimizer", "adam",
+          "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0", "--log-format", "json", "--log-interval", "5",
+          "--no-epoch-checkpoints", "--no-progress-bar"]
+
+
+def _json_records(stdout: str, tag: str) -> List[Dict]:
+    """fairseq's ``--log-format json`` records of one kind (``train_inner``, ``valid``)."""
+    return [json.loads(m.group(1)) for m in re.finditer(rf"\| {tag} \| (\{{.*\}})", stdout)]
+
+
+@pytest.fixture(scope="module")
+def mlm(text_data_bin, tmp_path_factory):
+    """``mlm(variant)`` -> (save_dir, fairseq-train stdout) of a tiny masked-LM run, trained once."""
+    runs = {}
+
+    def train(variant: str):
+        if variant not in runs:
+            save = tmp_path_factory.mktemp(f"mlm_{variant}")
+            proc = fairseq_cli(
+                "train", str(text_data_bin), *COMMON, "--task", "masked_lm", "--criterion", "masked_lm",
+                "--arch", f"lion_{variant}_tiny", "--lion-form", TRAIN_FORM[variant], "--lion-chunk-size", "16",
+                "--tokens-per-sample", str(TOKENS_PER_SAMPLE), "--batch-size", "16", "--lr", "0.001",
+                "--max-update", str(MLM_UPDATES), "--save-dir", str(save))
+            runs[variant] = (save, proc.stdout + proc.stderr)
+        return runs[variant]
+
+    return train
+
+
+def _load(save_dir: Path, **overrides):
+    from fairseq import checkpoint_utils
+
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(save_dir / "checkpoint_last.pt")], arg_overrides=overrides)
+    return models[0].eval(), task
+
+
+def _sentences(task, n: int = 6) -> List[torch.Tensor]:
+    """Held-out lines of distinct lengths (several chunks of 8 and a remainder), as masked_lm feeds them:
+    ``<s> words </s>``."""
+    lines = corpus_lines()[-300:]
+    by_len = {}
+    for line in lines:
+        by_len.setdefault(len(line.split()), line)
+    picked = [by_len[k] for k in sorted(by_len)[-n:]] + [by_len[min(by_len)]]
+    d = task.source_dictionary
+    return [torch.cat([torch.tensor([d.bos()]), d.encode_line(s, add_if_not_exist=False).long()]) for s in picked]
+
+
+def _right_padded(sents: List[torch.Tensor], pad: int) -> torch.Tensor:
+    from fairseq.data import data_utils
+
+    return data_utils.collate_tokens(sents, pad, left_pad=False)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mlm_trains_and_reloads(mlm, variant):
+    save, log = mlm(variant)
+    losses = [float(r["loss"]) for r in _json_records(log, "train_inner")]
+    assert len(losses) >= MLM_UPDATES // 5 - 1, log[-3000:]
+    # the first records are near log2(vocab) ~ 11 bits; a learning model is well below after 30 updates
+    assert losses[-1] < 0.8 * losses[0], losses
+    model, task = _load(save)
+    assert type(model).__name__ == "LionRobertaModel"
+    assert model.args.lion_variant == variant
+    assert (save / "checkpoint_last.pt").exists()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forms_and_padding_agree(mlm, variant):
+    """One trained checkpoint, reloaded in each form (as --model-overrides does): the same features,
+    and a sentence's features are the same alone as inside a right-padded batch."""
+    save, _ = mlm(variant)
+    feats = {}
+    for form in FORMS:
+        model, task = _load(save, lion_form=form, lion_chunk_size=8)
+        assert model.encoder.sentence_encoder.layers[0].self_attn.form == form
+        sents = _sentences(task)
+        pad = task.source_dictionary.pad()
+        batch = _right_padded(sents, pad)
+        assert batch.eq(pad).any()
+        with torch.no_grad():
+            batched, _ = model(batch, features_only=True)
+            alone = [model(s[None], features_only=True)[0][0] for s in sents]
+        for i, s in enumerate(sents):
+            assert _rel(batched[i, : len(s)], alone[i]) < 1e-4, (form, i)
+        feats[form] = alone
+    for form in ("chunk", "recurrent"):
+        for a, b in zip(feats[form], feats["parallel"]):
+            assert _rel(a, b) < 1e-4, form
+    # the check has teeth: a different model gives different features
+    other, _ = _load(mlm("s" if variant != "s" else "d")[0], lion_form="parallel")
+    with torch.no_grad():
+        assert _rel(other(sents[0][None], features_only=True)[0][0], feats["parallel"][0]) > 1e-2
+
+
+def test_model_overrides_switch_the_form_in_fairseq_validate(mlm, text_data_bin):
+    """fairseq-validate --model-overrides "{'lion_form': 'parallel'}" on a checkpoint trained in the
+    recurrent form gives the validation loss that training reported (same seeded masks)."""
+    save, log = mlm("s")
+    trained = float(_json_records(log, "valid")[-1]["valid_loss"])
+    proc = fairseq_cli("validate", str(text_data_bin), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0",
+                       "--task", "masked_lm", "--tokens-per-sample", str(TOKENS_PER_SAMPLE), "--batch-size", "16",
+                       "--path", str(save / "checkpoint_last.pt"), "--model-overrides", "{'lion_form': 'parallel'}")
+    out = proc.stdout + proc.stderr
+    validated = float(re.search(r"valid on 'valid' subset \| loss ([0-9.]+)", out).group(1))
+    assert abs(validated - trained) <= 2e-3, (trained, validated)
+
+
+@pytest.mark.parametrize("variant", ("d", "s"))
+def test_every_gate_parameter_gets_a_gradient(mlm, variant):
+    """The masked-LM loss reaches every decay gate parameter in every form, with the same gradient."""
+    save, _ = mlm(variant)
+    grads = {}
+    for form in FORMS:
+        model, task = _load(save, lion_form=form, lion_chunk_size=8)
+        pad = task.source_dictionary.pad()
+        batch = _right_padded(_sentences(task), pad)
+        logits, _ = model(batch)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch.reshape(-1), ignore_index=pad)
+        loss.backward()
+        gates = {n: p for n, p in model.named_parameters() if ".gate_logit" in n or ".gate_proj." in n}
+        expected = model.args.encoder_layers * (1 if variant == "d" else 2)
+        assert len(gates) == expected, sorted(gates)
+        for name, p in gates.items():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            assert p.grad.abs().min() > 0 if variant == "d" else p.grad.abs().sum() > 0, name
+        grads[form] = {n: p.grad.clone() for n, p in gates.items()}
+    for form in ("chunk", "recurrent"):
+        for name, g in grads[form].items():
+            assert _rel(g, grads["parallel"][name]) < 1e-3, (form, name)
+
+
+def test_hub_fill_mask_and_features(mlm, text_data_bin):
+    from lion_fairseq.models.lion_encoder import LionRobertaModel
+
+    save, _ = mlm("s")
+    hub = LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(text_data_bin))
+    vocab = len(hub.task.source_dictionary)
+    out = hub.fill_mask("the value of the <mask> is returned", topk=5)
+    assert len(out) == 5
+    probs = [p for _, p, _ in out]
+    assert probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-6
+    # a trained model is far from uniform over the vocabulary
+    assert probs[0] > 10 / vocab, out
+    for filled, _, word in out:
+        assert word in hub.task.source_dictionary.symbols
+        assert filled == f"the value of the {word} is returned"
+    tokens = hub.encode("the value of the object is returned")
+    assert tokens[0] == hub.task.source_dictionary.bos() and len(tokens) == 9
+    assert hub.extract_features(tokens).shape == (1, 9, 128)
+    # no positions: LION-S encodes far past its training length (64), in a form without an L x L matrix
+    long = torch.cat([tokens[:-1]] * 40 + [tokens[-1:]])
+    hub_chunk = LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(text_data_bin),
+                                                 lion_form="chunk")
+    with torch.no_grad():
+        feats = hub_chunk.extract_features(long)
+    assert feats.shape == (1, len(long), 128) and torch.isfinite(feats).all()
+    # learned positions (LIT) stop at the trained length, with RoBERTa's message
+    lit = LionRobertaModel.from_pretrained(str(mlm("lit")[0]), "checkpoint_last.pt", str(text_data_bin))
+    with pytest.raises(ValueError, match="exceeds maximum length"):
+        lit.extract_features(long)
+
+
+def _labelled_data(root: Path, dict_txt: Path) -> Path:
+    """A balanced, learnable labelling of real lines: 1 if the line starts with a word, 0 if it starts
+    with a symbol; binarised in sentence_prediction's layout (input0/, label/)."""
+    rng = random.Random(0)
+    lines = corpus_lines()
+    words = [s for s in lines if s.split()[0].isalpha()]
+    symbols = [s for s in lines if not s.split()[0].isalpha()]
+    n = min(len(words), len(symbols))
+    data = [(s, 1) for s in rng.sample(words, n)] + [(s, 0) for s in rng.sample(symbols, n)]
+    rng.shuffle(data)
+    split = {"train": data[: int(0.85 * len(data))], "valid": data[int(0.85 * len(data)):]}
+    for name, rows in split.items():
+        (root / f"{name}.input0").write_text("".join(s + "\n" for s, _ in rows))
+        (root / f"{name}.label").write_text("".join(f"{y}\n" for _, y in rows))
+    out = root / "bin"
+    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.input0"),
+                "--validpref", str(root / "valid.input0"), "--destdir", str(out / "input0"),
+                "--srcdict", str(dict_txt), "--workers", "1")
+    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.label"),
+                "--validpref", str(root / "valid.label"), "--destdir", str(out / "label"), "--workers", "1")
+    return out
+
+
+def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
+    from lion_fairseq.models.lion_encoder import LionRobertaModel
+
+    mlm_save, _ = mlm("s")
+    data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
+    valid_labels = (tmp_path / "valid.label").read_text().split()
+    chance = max(valid_labels.count("0"), valid_labels.count("1")) / len(valid_labels)
+    save = tmp_path / "ft"
+    proc = fairseq_cli(
+        "train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion", "sentence_prediction",
+        "--arch", "lion_s_tiny", "--num-classes", "2", "--init-token", "0", "--separator-token", "2",
+        "--max-positions", str(TOKENS_PER_SAMPLE), "--lion-form", "chunk", "--lion-chunk-size", "16",
+        "--restore-file", str(mlm_save / "checkpoint_last.pt"), "--reset-optimizer", "--reset-dataloader",
+        "--reset-meters", "--batch-size", "32", "--lr", "0.001", "--max-update", "25",
+        "--best-checkpoint-metric", "accuracy", "--maximize-best-checkpoint-metric", "--save-dir", str(save))
+    log = proc.stdout + proc.stderr
+    assert "Loaded checkpoint" in log and str(mlm_save) in log
+    accuracy = [float(r["valid_accuracy"]) / 100 for r in _json_records(log, "valid")]
+    assert accuracy and accuracy[-1] > chance + 0.1, (accuracy, chance)
+
+    hub = LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(data))
+    assert "sentence_classification_head" in hub.model.classification_heads
+    logp = hub.predict("sentence_classification_head", hub.encode("the object is returned"))
+    assert logp.shape == (1, 2) and torch.allclose(logp.exp().sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--lion-form", "fft"], r"--lion-form.*invalid choice: 'fft'"),
+    (["--lion-chunk-size", "0"], r"--lion-chunk-size must be an integer >= 1"),
+    (["--lion-feature-map", "identity"], r"--lion-feature-map identity .*--no-lion-normalize"),
+])
+def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, message):
+    with pytest.raises(AssertionError, match=message):
+        fairseq_cli("train", str(text_data_bin), *COMMON, "--task", "masked_lm", "--criterion", "masked_lm",
+                    "--arch", "lion_d_tiny", "--batch-size", "4", "--max-update", "1", "--save-dir", str(tmp_path), *bad)
+    assert not list(tmp_path.glob("*.pt"))
