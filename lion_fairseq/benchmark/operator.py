@@ -24,6 +24,31 @@ IMPLS = ("sdpa", "parallel", "chunk", "recurrent")
 LIMITS = {("parallel", "fwd"): 4096, ("parallel", "fwdbwd"): 4096, ("recurrent", "fwdbwd"): 2048}
 
 
+def chunk_flops(batch: int, heads: int, L: int, dk: int, dv: int, C: int) -> Dict[str, float]:
+    """Multiply-adds x 2 of the bidirectional, normalised chunk form (the normaliser is one more column of
+    v): per head, forward ``2LC(Dk+Dv) + 8L Dk Dv`` (the shared intra-chunk product and two directions'
+    states), backward ``2LC(3Dk+2Dv) + 24L Dk Dv``."""
+    dv = dv + 1
+    fwd = 2 * L * C * (dk + dv) + 8 * L * dk * dv
+    bwd = 2 * L * C * (3 * dk + 2 * dv) + 24 * L * dk * dv
+    return {"fwd": batch * heads * fwd, "fwdbwd": batch * heads * (fwd + bwd)}
+
+
+def matmul_gflops(threads: int, n: int = 2048, repeats: int = 3) -> float:
+    """This machine's float32 matmul rate with ``threads`` threads: the ceiling for the chunk form."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
 def _maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -76,6 +101,10 @@ def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, c
                 run(leaves).sum().backward()
                 best = min(best, time.perf_counter() - t)
         out[mode] = best
+    if impl == "chunk":
+        flops = chunk_flops(batch, heads, L, dim, dim, min(chunk_size, L))
+        for mode in modes:
+            out[f"gflops_{mode}"] = flops[mode] / out[mode] / 1e9
     return out
 
 
@@ -116,9 +145,9 @@ def plot(results: Dict[str, Dict[int, Dict]], path: Path) -> bool:
     try:
         import logging
 
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # importing fairseq sets the root to DEBUG
         import matplotlib
         matplotlib.use("Agg")
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # importing fairseq sets the root to DEBUG
         import matplotlib.pyplot as plt
     except ImportError:
         return False
@@ -154,6 +183,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/operator"))
     p.add_argument("--child", nargs=2, metavar=("IMPL", "L"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child and args.child[0] == "matmul":
+        print(json.dumps({"gflops": matmul_gflops(args.threads)}))
+        return
     if args.child:
         r = measure(args.child[0], int(args.child[1]), args.batch, args.heads, args.dim, args.threads,
                     args.chunk_size, args.repeats, ["fwd", "fwdbwd"])
@@ -163,6 +195,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.lengths, args.repeats = [256, 512, 1024, 2048], 1
     print(f"LION operator vs softmax attention: B={args.batch} H={args.heads} D={args.dim}, "
           f"{args.threads} threads, chunk {args.chunk_size}, best of {args.repeats}", flush=True)
+    peak = run_child(args, "matmul", 0).get("gflops")
+    if peak:
+        print(f"float32 matmul (2048^3): {peak:.1f} GFLOP/s", flush=True)
     results: Dict[str, Dict[int, Dict]] = {impl: {} for impl in args.impls}
     for L in args.lengths:
         for impl in args.impls:
@@ -172,9 +207,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                   flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     md = table(results, args.lengths)
+    if "chunk" in results and peak:
+        md += "\n\nchunk form's achieved rate (float32 matmul on this machine: %.1f GFLOP/s):\n\n" % peak
+        md += "| L | fwd GFLOP/s | fwd+bwd GFLOP/s | fwd+bwd share of matmul |\n|---:|---:|---:|---:|\n"
+        for L, r in sorted(results["chunk"].items()):
+            if r.get("gflops_fwdbwd"):
+                md += (f"| {L} | {r['gflops_fwd']:.1f} | {r['gflops_fwdbwd']:.1f} | "
+                       f"{100 * r['gflops_fwdbwd'] / peak:.0f}% |\n")
     (args.out / "table.md").write_text(md + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                       "results": results}, indent=1))
+                                                       "matmul_gflops": peak, "results": results}, indent=1))
     print("\n" + md)
     if plot(results, args.out / "operator.png"):
         print(f"\nplot: {args.out / 'operator.png'}")
