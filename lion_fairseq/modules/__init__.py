@@ -1,3 +1,4 @@
+from .decoder_layer import LionDecoderLayer  # noqa: F401
 from .encoder_layer import LionEncoderLayer
 from .feature_maps import FEATURE_MAPS
 from .lion_attention import VARIANTS, LionAttention, check_lion_options

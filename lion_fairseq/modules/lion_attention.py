@@ -136,7 +136,12 @@ class LionAttention(nn.Module):
             # the state after token T-1 has the decay of lambda_{T-1} still to come: it is stored as the
             # gate to apply before the next token (log_a_fwd[T] = log lambda_{T-1})
             S, z = causal_state(k, v, fwd, key_padding_mask)
-            prev = lam[..., -1] if lam is not None else None
+            prev = None
+            if lam is not None:  # the gate of each row's last real token (a right-padded prompt ends in pads)
+                last = torch.full((B,), T - 1, dtype=torch.long, device=q.device)
+                if key_padding_mask is not None:
+                    last = last - (~key_padding_mask).flip(-1).int().argmax(-1)
+                prev = lam.gather(-1, last[:, None, None].expand(B, H, 1)).squeeze(-1)
         else:
             S, z, prev = saved["S"], saved["z"], saved.get("prev_log_gate")
             ys = []

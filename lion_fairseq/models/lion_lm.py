@@ -1,0 +1,230 @@
+"""Causal LION language model (``--arch lion_s_lm`` etc.): a ``FairseqLanguageModel`` whose
+``FairseqIncrementalDecoder`` trains and scores in the parallel or chunk form and decodes as an RNN.
+
+Decoding keeps, per layer and head, only the state ``(S, z)`` of ``LionAttention`` (plus the previous
+token's gate), and the decoder keeps one token count per sentence for learned positions: O(1) time and
+memory per generated token whatever the context. The first call with an empty ``incremental_state``
+prefills the whole prompt in one pass; later calls read only the last token (fairseq's generator passes
+the whole prefix every step).
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from fairseq import utils
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
+                            register_model_architecture)
+from fairseq.modules import FairseqDropout, LayerNorm
+from omegaconf import II
+from torch import Tensor
+
+from ..modules.decoder_layer import LionDecoderLayer
+from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions
+
+# Without learned positions nothing bounds the context: report a length no data set reaches, so fairseq
+# neither truncates nor filters sequences (eval-lm, generation) for nothing.
+UNBOUNDED_POSITIONS = 10 ** 9
+
+IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
+
+
+@dataclass
+class LionLMConfig(LionOptions):
+    activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
+        default="gelu", metadata={"help": "activation function of the feed-forward blocks"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN activation"})
+    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
+    decoder_layers: int = field(default=6, metadata={"help": "num decoder layers"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
+    share_decoder_input_output_embed: bool = field(
+        default=False, metadata={"help": "share decoder input and output embeddings"})
+    no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})
+    tokens_per_sample: int = II("task.tokens_per_sample")
+    max_target_positions: Optional[int] = II("task.max_target_positions")
+
+
+class LionLMDecoder(FairseqIncrementalDecoder):
+    """Token (and, for ``--lion-positions learned``, position) embeddings, ``decoder_layers`` causal
+    ``LionDecoderLayer``s, a final LayerNorm and the output projection.
+
+    ``forward(prev_output_tokens)``: ``(B, T)`` token ids -> logits ``(B, T, V)`` and
+    ``{"attn": [None], "inner_states": [(T, B, C)] * (layers + 1)}``.
+    """
+
+    def __init__(self, cfg: Any, dictionary, embed_tokens: Optional[nn.Embedding] = None):
+        super().__init__(dictionary)
+        attention_kwargs = lion_attention_kwargs(cfg)
+        dim = cfg.decoder_embed_dim
+        self.padding_idx = dictionary.pad()
+        if embed_tokens is None:
+            embed_tokens = nn.Embedding(len(dictionary), dim, padding_idx=self.padding_idx)
+            nn.init.normal_(embed_tokens.weight, mean=0, std=dim ** -0.5)
+            nn.init.constant_(embed_tokens.weight[self.padding_idx], 0)
+        self.embed_tokens = embed_tokens
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(dim)
+        if lion_positions(cfg) == "learned":
+            self.max_target_positions = int(cfg.max_target_positions or cfg.tokens_per_sample)
+            # position p of a real token is padding_idx + p (p >= 1), fairseq's convention
+            self.embed_positions = nn.Embedding(self.max_target_positions + self.padding_idx + 1, dim,
+                                                padding_idx=self.padding_idx)
+            nn.init.normal_(self.embed_positions.weight, mean=0, std=dim ** -0.5)
+            nn.init.constant_(self.embed_positions.weight[self.padding_idx], 0)
+        else:
+            self.max_target_positions = UNBOUNDED_POSITIONS
+            self.embed_positions = None
+        self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
+        self.layers = nn.ModuleList([
+            LionDecoderLayer(dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads, attention_kwargs,
+                             dropout=cfg.dropout, activation_dropout=cfg.activation_dropout,
+                             activation_fn=str(cfg.activation_fn))
+            for _ in range(cfg.decoder_layers)])
+        self.layer_norm = LayerNorm(dim)
+        self.output_projection = nn.Linear(dim, len(dictionary), bias=False)
+        if cfg.share_decoder_input_output_embed:
+            self.output_projection.weight = self.embed_tokens.weight
+        else:
+            nn.init.normal_(self.output_projection.weight, mean=0, std=dim ** -0.5)
+
+    def forward(self, prev_output_tokens: Tensor, encoder_out=None,
+                incremental_state: Optional[IncrementalState] = None, features_only: bool = False,
+                **unused) -> Tuple[Tensor, Dict[str, List[Optional[Tensor]]]]:
+        x, extra = self.extract_features(prev_output_tokens, incremental_state=incremental_state)
+        if not features_only:
+            x = self.output_layer(x)
+        return x, extra
+
+    def extract_features(self, prev_output_tokens: Tensor, encoder_out=None,
+                         incremental_state: Optional[IncrementalState] = None,
+                         **unused) -> Tuple[Tensor, Dict[str, List[Optional[Tensor]]]]:
+        """prev_output_tokens: ``(B, T)``. Returns features ``(B, T', C)`` and the extra dict, where
+        ``T' = 1`` for a decoding step after the prefill and ``T' = T`` otherwise."""
+        tokens = prev_output_tokens
+        saved = self.get_incremental_state(incremental_state, "lm_state") if incremental_state is not None else None
+        if saved:  # decoding step: every earlier token is already in the layers' state
+            tokens = tokens[:, -1:]
+        pad = tokens.eq(self.padding_idx)
+        seen = saved["n_tokens"] if saved else tokens.new_zeros(tokens.shape[0])
+
+        x = self.embed_scale * self.embed_tokens(tokens)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(self._positions(pad, seen))
+        x = self.dropout_module(x).transpose(0, 1)  # (T, B, C)
+
+        # the mask costs a pass over the data; most training batches have no padding
+        padding_mask = pad if pad.any() else None
+        inner_states: List[Optional[Tensor]] = [x]
+        for layer in self.layers:
+            x = layer(x, padding_mask=padding_mask, incremental_state=incremental_state)
+            inner_states.append(x)
+        x = self.layer_norm(x).transpose(0, 1)
+
+        if incremental_state is not None:
+            self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": seen + (~pad).sum(1)})
+        # SequenceGenerator reads "attn"; LION has no attention matrix to show
+        return x, {"attn": [None], "inner_states": inner_states}
+
+    def _positions(self, pad: Tensor, seen: Tensor) -> Tensor:
+        """Position ids ``(B, T)``: ``padding_idx + p`` for the p-th real token of each sentence
+        (counting the ``seen`` ones before), ``padding_idx`` at padding; left padding is skipped."""
+        real = (~pad).long()
+        positions = (seen[:, None] + real.cumsum(1)) * real + self.padding_idx
+        longest = int(positions.max()) - self.padding_idx if positions.numel() else 0
+        if longest > self.max_target_positions:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the {self.max_target_positions} learned positions of "
+                "this model (--lion-positions learned, --max-target-positions / --tokens-per-sample at "
+                "training): use shorter inputs, or train with --lion-positions none (no length limit)")
+        return positions
+
+    def output_layer(self, features: Tensor) -> Tensor:
+        """features ``(B, T, C)`` -> logits ``(B, T, V)``."""
+        return self.output_projection(features)
+
+    def max_positions(self) -> int:
+        return self.max_target_positions
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor) -> None:
+        """The decoder's own state (token counts); ``reorder_incremental_state_scripting`` calls each
+        ``LionAttention``'s reorder itself."""
+        saved = self.get_incremental_state(incremental_state, "lm_state")
+        if saved:
+            self.set_incremental_state(incremental_state, "lm_state",
+                                       {"n_tokens": saved["n_tokens"].index_select(0, new_order)})
+
+
+@register_model("lion_lm", dataclass=LionLMConfig)
+class LionLanguageModel(FairseqLanguageModel):
+    """A causal LION language model for ``--task language_modeling``."""
+
+    @classmethod
+    def add_args(cls, parser) -> None:
+        super().add_args(parser)
+        fix_lion_flags(parser)
+
+    @classmethod
+    def build_model(cls, cfg: Any, task) -> "LionLanguageModel":
+        lion_lm_base(cfg)
+        if cfg.decoder_embed_dim % cfg.decoder_attention_heads:
+            raise ValueError(f"--decoder-embed-dim {cfg.decoder_embed_dim} must be divisible by "
+                             f"--decoder-attention-heads {cfg.decoder_attention_heads}")
+        try:
+            return cls(LionLMDecoder(cfg, task.target_dictionary))
+        except ValueError as e:  # a bad --lion-* combination: say so at start-up, with the option's name
+            raise ValueError(f"lion_lm: {e}") from None
+
+
+def _default(args: Any, name: str, value: Any) -> None:
+    """Set ``args.name`` unless the user gave it (absent or None means not given)."""
+    if getattr(args, name, None) is None:
+        setattr(args, name, value)
+
+
+def lion_lm_base(args: Any) -> None:
+    """Defaults of every field (transformer_lm size, LION-S); the named archs set theirs first. (``--arch
+    lion_lm`` is fairseq's own no-op arch of the dataclass, whose defaults are these.)"""
+    _default(args, "lion_variant", "s")
+    _default(args, "lion_form", "chunk")
+    _default(args, "lion_chunk_size", 64)
+    _default(args, "lion_normalize", True)
+    _default(args, "lion_norm_after", False)
+    _default(args, "activation_fn", "gelu")
+    _default(args, "dropout", 0.1)
+    _default(args, "activation_dropout", 0.0)
+    _default(args, "decoder_embed_dim", 512)
+    _default(args, "decoder_ffn_embed_dim", 2048)
+    _default(args, "decoder_layers", 6)
+    _default(args, "decoder_attention_heads", 8)
+    _default(args, "share_decoder_input_output_embed", False)
+    _default(args, "no_scale_embedding", False)
+
+
+def _size(args: Any, layers: int, dim: int, heads: int, ffn: int) -> None:
+    _default(args, "decoder_layers", layers)
+    _default(args, "decoder_embed_dim", dim)
+    _default(args, "decoder_attention_heads", heads)
+    _default(args, "decoder_ffn_embed_dim", ffn)
+
+
+def _arch(name: str, variant: str, tiny: bool) -> None:
+    def arch(args: Any) -> None:
+        _default(args, "lion_variant", variant)
+        if tiny:
+            _size(args, 2, 128, 2, 512)
+        else:
+            _size(args, 6, 512, 8, 2048)
+        lion_lm_base(args)
+
+    arch.__name__ = arch.__qualname__ = name
+    arch.__doc__ = f"LION-{variant.upper()} causal LM, {'tiny (2 x 128, 2 heads)' if tiny else 'transformer_lm size (6 x 512, 8 heads)'}."
+    register_model_architecture("lion_lm", name)(arch)
+
+
+for _variant, _names in {"lit": ["lion_lit_lm"], "d": ["lion_d_lm", "lion_retnet_lm"], "s": ["lion_s_lm"]}.items():
+    for _name in _names:
+        _arch(_name, _variant, tiny=False)
+    _arch(f"lion_{_variant}_lm_tiny", _variant, tiny=True)

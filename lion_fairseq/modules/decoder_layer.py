@@ -1,0 +1,45 @@
+"""LionDecoderLayer: one pre-LayerNorm block of the causal LION language model (causal LION attention,
+then a feed-forward network), in fairseq's ``T x B x C`` layout, with incremental decoding state."""
+from typing import Any, Dict, Optional
+
+import torch.nn as nn
+from fairseq import utils
+from fairseq.modules import FairseqDropout, LayerNorm
+from torch import Tensor
+
+from .lion_attention import LionAttention
+
+
+class LionDecoderLayer(nn.Module):
+    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(FFN(LN(x)))``; pre-norm keeps a deep stack trainable
+    without warm-up tricks.
+
+    embed_dim / ffn_embed_dim / num_heads: widths; attention_kwargs: keyword arguments of
+    ``LionAttention`` (variant, form, chunk_size, feature_map, normalize, norm_after); the layer always
+    builds it causal.
+    """
+
+    def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, attention_kwargs: Dict[str, Any], *,
+                 dropout: float = 0.1, activation_dropout: float = 0.0, activation_fn: str = "gelu"):
+        super().__init__()
+        self.self_attn = LionAttention(embed_dim, num_heads, causal=True, **attention_kwargs)
+        self.self_attn_layer_norm = LayerNorm(embed_dim)
+        self.fc1 = nn.Linear(embed_dim, ffn_embed_dim)
+        self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)
+        self.final_layer_norm = LayerNorm(embed_dim)
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+        self.activation_dropout_module = FairseqDropout(activation_dropout, module_name=self.__class__.__name__)
+
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
+                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None) -> Tensor:
+        """x: ``(T, B, C)``; padding_mask: ``(B, T)`` bool, True at padding (or None). Returns ``(T, B, C)``.
+        With ``incremental_state`` the attention prefills (first call) or steps its recurrent state."""
+        residual = x
+        x = self.self_attn(self.self_attn_layer_norm(x), key_padding_mask=padding_mask,
+                           incremental_state=incremental_state)
+        x = residual + self.dropout_module(x)
+        residual = x
+        x = self.activation_fn(self.fc1(self.final_layer_norm(x)))
+        x = self.fc2(self.activation_dropout_module(x))
+        return residual + self.dropout_module(x)

@@ -1,0 +1,246 @@
+"""The causal LION language model through fairseq itself: training, fairseq-eval-lm in every form,
+beam search and sampling with recurrent decoding, constant-size decoding state, exact resume."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lion_fairseq  # noqa: F401  (registers the models in this process, as --user-dir does in the CLIs)
+from conftest import USER_DIR, fairseq_cli
+
+TRAIN = ["--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-per-sample", "64",
+         "--batch-size", "16", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt",
+         "--warmup-updates", "5", "--criterion", "cross_entropy", "--dropout", "0.1", "--seed", "3",
+         "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints", "--save-interval-updates", "15",
+         "--log-format", "json", "--log-interval", "5", "--lion-chunk-size", "16"]
+UPDATES, HALF = 30, 15  # an epoch of this corpus is ~80 updates: stopping at HALF is mid-epoch
+
+
+def train(data, save_dir, max_update):
+    return fairseq_cli("train", str(data), "--user-dir", USER_DIR, *TRAIN, "--save-dir", str(save_dir),
+                       "--max-update", str(max_update))
+
+
+@pytest.fixture(scope="session")
+def trained(text_data_bin, tmp_path_factory):
+    """(checkpoint path, fairseq-train log) of a tiny LION-S LM trained for UPDATES updates."""
+    save = tmp_path_factory.mktemp("lm_ckpt")
+    proc = train(text_data_bin, save, UPDATES)
+    return save / "checkpoint_last.pt", proc.stdout + proc.stderr
+
+
+def load_hub(ckpt, data, **overrides):
+    from fairseq.hub_utils import GeneratorHubInterface, from_pretrained
+
+    x = from_pretrained(str(ckpt.parent), ckpt.name, str(data), **overrides)
+    return GeneratorHubInterface(x["args"], x["task"], x["models"]).eval()
+
+
+def build(data, *args):
+    """(task, model) built the way fairseq-train builds them, untrained, in eval mode."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    ns = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--task", "language_modeling",
+                                              "--tokens-per-sample", "64", *args])
+    cfg = convert_namespace_to_omegaconf(ns)
+    task = tasks.setup_task(cfg.task)
+    return task, task.build_model(cfg.model).eval()
+
+
+def set_form(model, form):
+    for m in model.modules():
+        if hasattr(m, "form") and hasattr(m, "chunk_size"):
+            m.form = form
+
+
+def test_training_loss_falls(trained):
+    ckpt, log = trained
+    losses = [float(json.loads(line[line.index("{"):])["loss"])
+              for line in log.splitlines() if "| train_inner |" in line]
+    assert len(losses) == UPDATES // 5
+    # an untrained model is near log2(vocab) ~ 11 bits; a few dozen updates must take off several
+    assert losses[0] > 9.0 and losses[-1] < losses[0] - 2.0, losses
+    # the checkpoint reloads under torch's weights_only default (dataclass config, no Namespace)
+    state = torch.load(ckpt, weights_only=True)
+    assert state["cfg"]["model"]["_name"] == "lion_s_lm_tiny"
+
+
+EVAL = ["--gen-subset", "valid", "--tokens-per-sample", "64", "--batch-size", "8", "--num-workers", "0"]
+
+
+def eval_lm_in_process(data, ckpt, *args):
+    """fairseq-eval-lm's own main() in this process (no interpreter start-up): its loss in bits, unrounded."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq_cli.eval_lm import main
+
+    parser = options.get_eval_lm_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--path", str(ckpt), *EVAL, *args])
+    return main(convert_namespace_to_omegaconf(args))["loss"]
+
+
+def test_eval_lm_same_loss_in_every_form(trained, text_data_bin):
+    ckpt, _ = trained
+    # chunk size 8 (trained with 16): several chunk borders inside each 64-token block
+    losses = {form: eval_lm_in_process(text_data_bin, ckpt, "--model-overrides",
+                                       str({"lion_form": form, "lion_chunk_size": 8}))
+              for form in ("parallel", "chunk", "recurrent")}
+    assert 3.0 < losses["parallel"] < 9.0
+    for form, loss in losses.items():
+        assert abs(loss - losses["parallel"]) < 1e-5 * losses["parallel"], losses
+    # the console command prints the same number for the recurrent form
+    out = fairseq_cli("eval_lm", str(text_data_bin), "--user-dir", USER_DIR, "--path", str(ckpt), *EVAL,
+                      "--model-overrides", "{'lion_form': 'recurrent'}")
+    printed = re.search(r"Loss \(base 2\): ([0-9.]+)", out.stdout + out.stderr)
+    assert printed and printed.group(1) == f"{losses['parallel']:.4f}", (out.stderr[-2000:], losses)
+    # long-context scoring (each 16-token stride scored with 48 tokens of context); no learned positions,
+    # so nothing is truncated. More context should not make this model worse by much.
+    wide = eval_lm_in_process(text_data_bin, ckpt, "--context-window", "48")
+    assert 3.0 < wide < losses["parallel"] + 0.5, (wide, losses)
+
+
+def test_beam_search_scores_equal_parallel_forward(trained, text_data_bin):
+    """Beam 4 with prompts through fairseq's SequenceGenerator (recurrent decoding, beams reordered,
+    batch shrinking as sentences finish): every hypothesis' positional scores equal the log-probs of one
+    parallel-form forward over the same tokens."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    ckpt, _ = trained
+    hub = load_hub(ckpt, text_data_bin)
+    model = hub.models[0]
+    sizes = []
+    decoder_reorder = model.decoder.reorder_incremental_state
+    model.decoder.reorder_incremental_state = lambda state, order: (sizes.append(len(order)),
+                                                                    decoder_reorder(state, order))[1]
+    prompts = ["the python language", "a list of items is", "if"]
+    hypos = hub.generate([hub.encode(p) for p in prompts], beam=4, max_len_b=24, min_len=2)
+    assert isinstance(hub.task.build_generator(hub.models, hub.cfg.generation), SequenceGenerator)
+    assert sizes and sizes[0] == 4 * len(prompts) and min(sizes) < sizes[0], "beams never reordered/shrunk"
+
+    set_form(model, "parallel")
+    eos = hub.task.source_dictionary.eos()
+    checked = 0
+    for prompt, beams in zip(prompts, hypos):
+        assert len(beams) == 4
+        prompt_tokens = hub.encode(prompt)[:-1]  # encode appends </s>
+        for h in beams:
+            tokens = h["tokens"]
+            assert tokens[:len(prompt_tokens)].tolist() == prompt_tokens.tolist()
+            inp = torch.cat([tokens.new_tensor([eos]), tokens[:-1]])[None]
+            with torch.no_grad():
+                logits, _ = model(inp)
+            lprobs = model.get_normalized_probs((logits, None), log_probs=True)[0]
+            ref = lprobs.gather(-1, tokens[:, None]).squeeze(-1)
+            torch.testing.assert_close(h["positional_scores"], ref, atol=1e-4, rtol=0)
+            checked += 1
+    assert checked == 4 * len(prompts)
+
+
+def test_hub_sample_and_interactive(trained, text_data_bin):
+    ckpt, _ = trained
+    hub = load_hub(ckpt, text_data_bin)
+    torch.manual_seed(0)
+    out = hub.sample(["the python", "a list of"], beam=1, sampling=True, sampling_topk=10, max_len_b=8)
+    assert all(o.startswith(p) and len(o.split()) > len(p.split()) for o, p in zip(out, ["the python", "a list of"]))
+
+    # fairseq-interactive reads prompts from stdin (conftest's fairseq_cli gives none)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.interactive", str(text_data_bin), "--user-dir", USER_DIR,
+                           "--task", "language_modeling", "--path", str(ckpt), "--beam", "2", "--max-len-b", "6",
+                           "--num-workers", "0"], input="the python language\na list of\n", env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hyps = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert len(hyps) == 2 and hyps[0][2].startswith("the python language") and hyps[1][2].startswith("a list of")
+
+
+def state_tensors(state):
+    """{short key: shape} of every tensor in an incremental_state (keys carry per-module ids)."""
+    return {f"{i}:{name}": tuple(t.shape) for i, (key, d) in enumerate(sorted(state.items()))
+            for name, t in sorted(d.items())}
+
+
+@pytest.mark.parametrize("arch", ["lion_lit_lm_tiny", "lion_d_lm_tiny", "lion_s_lm_tiny"])
+def test_prefill_then_steps_equal_full_forward_and_state_is_constant(arch, text_data_bin):
+    """A padded batch of prompts prefilled in one call, then decoded token by token the way fairseq's
+    generator calls it (whole prefix each step), gives the logits of one full forward over each unpadded
+    sentence; the state has the same shapes after 6 or 300 tokens of context."""
+    torch.manual_seed(0)
+    task, model = build(text_data_bin, "--arch", arch, "--lion-form", "chunk", "--lion-chunk-size", "4",
+                        "--max-target-positions", "512")  # lit's learned positions must reach 300
+    pad, V = task.source_dictionary.pad(), len(task.source_dictionary)
+    sents = [torch.randint(4, V, (n,)) for n in (9, 5, 7)]
+    cont = torch.randint(4, V, (3, 4))  # continuation tokens, one column per step
+    for side in ("right", "left"):
+        prompt = torch.full((3, 9), pad)
+        for i, s in enumerate(sents):
+            if side == "right":
+                prompt[i, :len(s)] = s
+            else:
+                prompt[i, 9 - len(s):] = s
+        state = {}
+        with torch.no_grad():
+            first = model(prompt, incremental_state=state)[0]  # prefill: (3, 9, V) in one call
+            assert first.shape == (3, 9, V)
+            prefix, steps = prompt, []
+            for t in range(cont.shape[1]):
+                prefix = torch.cat([prefix, cont[:, t:t + 1]], 1)
+                steps.append(model(prefix, incremental_state=state)[0])
+                assert steps[-1].shape == (3, 1, V)  # only the new token is computed
+            for i, s in enumerate(sents):
+                last = len(s) - 1 if side == "right" else 8
+                got = torch.cat([first[i, last:last + 1], *[x[i] for x in steps]])
+                ref = model(torch.cat([s, cont[i]])[None])[0][0, len(s) - 1:]
+                torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=f"{side} padding, row {i}")
+
+    # the decoding state does not depend on the context length
+    B, H, D = 3, 2, 64
+    shapes = []
+    for n in (6, 300):
+        state = {}
+        with torch.no_grad():
+            toks = torch.randint(4, V, (B, n))
+            model(toks, incremental_state=state)
+            model(torch.cat([toks, toks[:, :1]], 1), incremental_state=state)
+        shapes.append(state_tensors(state))
+    assert shapes[0] == shapes[1], shapes
+    assert sum(k.endswith(":S") for k in shapes[0]) == 2  # one (S, z) per layer
+    assert all(v == (B, H, D, D) for k, v in shapes[0].items() if k.endswith(":S"))
+    assert all(set(v) <= {B, H, D} for v in shapes[0].values()), shapes[0]
+
+
+def test_options_and_errors(text_data_bin):
+    _, model = build(text_data_bin, "--arch", "lion_s_lm_tiny")
+    attn = model.decoder.layers[0].self_attn
+    assert attn.normalize is True and attn.variant == "s" and attn.causal
+    assert model.max_positions() >= 10 ** 9  # no learned positions: no length limit
+    _, model = build(text_data_bin, "--arch", "lion_lit_lm_tiny", "--no-lion-normalize",
+                     "--lion-feature-map", "identity", "--lion-norm-after", "--lion-form", "parallel")
+    attn = model.decoder.layers[0].self_attn
+    assert not attn.normalize and attn.head_norm is not None and attn.variant == "lit"
+    assert model.max_positions() == 64 and model.decoder.embed_positions is not None
+    with pytest.raises(ValueError, match="learned positions"):
+        model(torch.full((1, 65), 5))
+    with pytest.raises(ValueError, match="--no-lion-normalize"):
+        build(text_data_bin, "--arch", "lion_d_lm_tiny", "--lion-feature-map", "identity")
+
+
+def test_resume_mid_epoch_is_exact(trained, text_data_bin, tmp_path):
+    """Stopped after HALF updates (mid-epoch) and restarted to UPDATES: the same parameters as the uninterrupted run."""
+    ckpt, _ = trained
+    train(text_data_bin, tmp_path, HALF)
+    half = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert half["extra_state"]["train_iterator"]["iterations_in_epoch"] == HALF
+    train(text_data_bin, tmp_path, UPDATES)
+    resumed = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["model"]
+    straight = torch.load(ckpt, weights_only=True)["model"]
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name
+    assert not torch.equal(half["model"]["decoder.layers.0.fc1.weight"], straight["decoder.layers.0.fc1.weight"])
