@@ -1,0 +1,47 @@
+"""User-facing errors, and the wrapper that turns them into one message and an exit code."""
+import logging
+import signal
+import sys
+from typing import Callable
+
+log = logging.getLogger("preprocess")
+
+EXIT_BAD_INPUT = 1  # argparse itself exits with 2 for bad usage
+EXIT_INTERRUPTED = 130
+
+
+class PreprocessError(Exception):
+    """A problem with the user's input or options; the message names the file, line or option."""
+
+
+def _raise_on_sigterm(signum, frame):
+    # Turn `kill` into an exception so `finally` blocks remove the staging folder.
+    print("error: terminated; the unfinished output is being removed", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def run_main(body: Callable[[], None]) -> int:
+    """Run ``body`` as a command: configure logging, map known failures to exit codes.
+
+    Returns 0 on success, 1 for a :class:`PreprocessError` (message printed to stderr as
+    ``error: ...``), 130 when interrupted.
+    """
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stderr)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        body()
+        return 0
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written to --destdir", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

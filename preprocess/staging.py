@@ -1,0 +1,61 @@
+"""Write output into a hidden folder beside ``--destdir``, renamed into place only on success.
+
+A run that fails or is interrupted leaves no ``--destdir`` (or the previous one, untouched): a
+folder with that name is always complete.
+"""
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from preprocess.errors import PreprocessError
+
+log = logging.getLogger("preprocess")
+
+
+def check_destdir(destdir: Path, force: bool) -> None:
+    """Refuse to clobber existing output unless ``--force``; fairseq's preprocess splits paths on ','."""
+    if "," in str(destdir.resolve()):
+        raise PreprocessError(f"--destdir: fairseq's preprocess splits paths on ',', so the path "
+                              f"must not contain one: {destdir}")
+    if destdir.exists():
+        if not destdir.is_dir():
+            raise PreprocessError(f"--destdir: exists and is not a directory: {destdir}")
+        if any(destdir.iterdir()) and not force:
+            raise PreprocessError(f"--destdir: {destdir} already exists and is not empty; "
+                                  f"pass --force to replace it")
+
+
+@contextmanager
+def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
+    """Yield an empty staging folder; on normal exit it becomes ``destdir``, on error it is removed."""
+    destdir = Path(destdir)
+    check_destdir(destdir, force)
+    destdir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.partial-", dir=destdir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    old = None
+    if destdir.exists():
+        # Move the old output aside first so the rename below cannot meet a non-empty folder.
+        old = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.old-", dir=destdir.parent))
+        os.replace(destdir, old)
+    try:
+        os.replace(stage, destdir)
+    except BaseException:
+        if old is not None:
+            os.replace(old, destdir)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("wrote %s", destdir)

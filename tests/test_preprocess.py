@@ -1,0 +1,342 @@
+"""The preprocess pipeline: raw text -> sentencepiece -> fairseq binaries, and the GLUE layout.
+
+One user-like subprocess run builds a small corpus shared by the module; other runs call ``main``
+in-process (fairseq imported once). Bad inputs must give a clear message, a non-zero exit and no
+``--destdir`` (nor a leftover staging folder).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, corpus_lines
+
+sentencepiece = pytest.importorskip("sentencepiece")
+if str(ROOT) not in sys.path:  # `pytest tests` from elsewhere: make the preprocess package importable
+    sys.path.insert(0, str(ROOT))
+
+from preprocess import glue as glue_cli  # noqa: E402
+from preprocess import text as text_cli  # noqa: E402
+
+N_A, N_B = 300, 200  # lines in the two input files
+VOCAB = 400
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m preprocess.<module> ...`` from the repo root, as a user would."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", f"preprocess.{module}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def leftovers(parent: Path):
+    """Staging folders a run left behind (there must be none)."""
+    return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("raw")
+    lines = corpus_lines(N_A + N_B + 120)
+    (root / "a.txt").write_text("\n".join(lines[:N_A]) + "\n", encoding="utf-8")
+    # CRLF endings and a BOM, as files from other systems have: neither may reach the data.
+    (root / "b.txt").write_bytes(("\ufeff" + "\r\n".join(lines[N_A:N_A + N_B]) + "\r\n").encode("utf-8"))
+    (root / "v.txt").write_text("\n".join(lines[N_A + N_B:N_A + N_B + 70]) + "\n", encoding="utf-8")
+    (root / "t.txt").write_text("\n".join(lines[N_A + N_B + 70:]) + "\n", encoding="utf-8")
+    return root, lines
+
+
+@pytest.fixture(scope="module")
+def text_bin(corpus):
+    root, _ = corpus
+    out = root / "bin"
+    proc = run_module("text", "--input", str(root / "a.txt"), str(root / "b.txt"), "--destdir", str(out),
+                      "--vocab-size", str(VOCAB), "--model-type", "unigram", "--character-coverage", "1.0",
+                      "--valid-ratio", "0.1", "--test-ratio", "0.05", "--workers", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def load_split(path: Path, dictionary):
+    from fairseq.data import data_utils
+
+    ds = data_utils.load_indexed_dataset(str(path), dictionary)
+    assert ds is not None, f"no dataset at {path}"
+    return ds
+
+
+def test_text_layout_and_splits(corpus, text_bin):
+    from fairseq.data import Dictionary
+
+    root, lines = corpus
+    names = {p.name for p in text_bin.iterdir()}
+    for split in ("train", "valid", "test"):
+        assert {f"{split}.bin", f"{split}.idx"} <= names
+    assert {"dict.txt", "sentencepiece.bpe.model", "preprocess.json"} <= names
+    assert "_work" not in names and leftovers(root) == []
+    d = Dictionary.load(str(text_bin / "dict.txt"))
+    sizes = {s: len(load_split(text_bin / s, d)) for s in ("train", "valid", "test")}
+    total = N_A + N_B
+    assert sizes == {"train": total - 50 - 25, "valid": 50, "test": 25}  # contiguous tail split
+    manifest = json.loads((text_bin / "preprocess.json").read_text())
+    assert manifest["splits"]["test"]["source"] == f"input lines {total - 24}-{total} of {total}"
+
+
+def test_round_trip_and_ids_line_up(corpus, text_bin):
+    from fairseq.data import Dictionary
+
+    _, lines = corpus
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(text_bin / "sentencepiece.bpe.model"))
+    d = Dictionary.load(str(text_bin / "dict.txt"))
+    assert sp.get_piece_size() == VOCAB == len(d)
+    # Same id, same piece, for every id, specials included.
+    assert [d[i] for i in range(len(d))] == [sp.id_to_piece(i) for i in range(VOCAB)]
+    assert (d.bos(), d.pad(), d.eos(), d.unk()) == (sp.bos_id(), sp.pad_id(), sp.eos_id(), sp.unk_id())
+    expected = {"train": lines[:425], "valid": lines[425:475], "test": lines[475:500]}
+    for split, originals in expected.items():
+        ds = load_split(text_bin / split, d)
+        assert len(ds) == len(originals)
+        for i, line in enumerate(originals):
+            ids = ds[i].tolist()
+            assert ids[-1] == d.eos()
+            assert ids[:-1] == sp.encode(line)  # fairseq's ids are the spm ids
+            assert sp.decode(ids[:-1]) == line  # no BOM, no '\r', nothing lost
+
+
+def test_explicit_valid_test_files_reuse_model(corpus, text_bin, tmp_path, capsys):
+    from fairseq.data import Dictionary
+
+    root, lines = corpus
+    out = tmp_path / "again"
+    rc = text_cli.main(["--input", str(root / "a.txt"), "--valid", str(root / "v.txt"), "--test",
+                        str(root / "t.txt"), "--spm-model", str(text_bin / "sentencepiece.bpe.model"),
+                        "--destdir", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    words = lambda p: [line.split()[0] for line in p.read_text(encoding="utf-8").splitlines()]  # noqa: E731
+    assert words(out / "dict.txt") == words(text_bin / "dict.txt")  # same model, same ids
+    d = Dictionary.load(str(out / "dict.txt"))
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "sentencepiece.bpe.model"))
+    assert len(load_split(out / "train", d)) == N_A  # the whole input: nothing held out
+    valid, test = load_split(out / "valid", d), load_split(out / "test", d)
+    assert len(valid) == 70 and len(test) == len(lines) - N_A - N_B - 70
+    assert sp.decode(valid[3].tolist()[:-1]) == lines[N_A + N_B + 3]
+    assert sp.decode(test[-1].tolist()[:-1]) == lines[-1]
+
+
+def write_tsv(path: Path, header, rows):
+    body = ["\t".join(header)] if header else []
+    path.write_text("\n".join(body + ["\t".join(r) for r in rows]) + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def glue_tsvs(corpus):
+    root, lines = corpus
+    labels = ["entailment", "not_entailment"]
+    train = [(str(i), lines[i], lines[i + 100], labels[i % 3 == 0]) for i in range(60)]
+    dev = [(str(i), lines[200 + i], lines[250 + i], labels[i % 2]) for i in range(20)]
+    test = [(str(i), lines[300 + i], lines[350 + i]) for i in range(12)]
+    write_tsv(root / "train.tsv", ["index", "sentence1", "sentence2", "label"], train)
+    write_tsv(root / "dev.tsv", ["index", "sentence1", "sentence2", "label"], dev)
+    write_tsv(root / "test.tsv", ["index", "sentence1", "sentence2"], test)  # GLUE test: no labels
+    return root, train, dev, test
+
+
+def sentence_prediction_task(data: Path, num_classes: int, regression: bool = False):
+    from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
+
+    cfg = SentencePredictionConfig(data=str(data), num_classes=num_classes, max_positions=512,
+                                   regression_target=regression, seed=1, no_shuffle=True,
+                                   classification_head_name="sentence_classification_head")
+    return SentencePredictionTask.setup_task(cfg)
+
+
+def test_glue_pairs_load_in_sentence_prediction(glue_tsvs, text_bin, tmp_path, capsys):
+    root, train, dev, test = glue_tsvs
+    out = tmp_path / "rte"
+    rc = glue_cli.main(["--train", str(root / "train.tsv"), "--dev", str(root / "dev.tsv"), "--test",
+                        str(root / "test.tsv"), "--spm", str(text_bin / "sentencepiece.bpe.model"),
+                        "--dict", str(text_bin / "dict.txt"), "--destdir", str(out),
+                        "--sentence1-column", "sentence1", "--sentence2-column", "sentence2",
+                        "--label-column", "label"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "pass --num-classes 2" in captured.out
+    assert (out / "input0" / "dict.txt").read_text() == (text_bin / "dict.txt").read_text()
+    assert (out / "label" / "dict.txt").read_text().split() == ["entailment", "40", "not_entailment", "20"]
+    assert not (out / "label" / "test.bin").exists() and leftovers(tmp_path) == []
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(text_bin / "sentencepiece.bpe.model"))
+    task = sentence_prediction_task(out, num_classes=2)
+    for split, rows in (("train", train), ("valid", dev), ("test", test)):
+        task.load_dataset(split)
+        ds = task.dataset(split)
+        assert len(ds) == len(rows)
+        batch = ds.collater([ds[i] for i in range(len(ds))])  # what training sees (no_shuffle: file order)
+        d = task.source_dictionary
+        for i, row in enumerate(rows):
+            tokens = [t for t in batch["net_input"]["src_tokens"][i].tolist() if t != d.pad()]
+            cut = tokens.index(d.eos())  # input0 </s> input1 </s>
+            assert sp.decode(tokens[:cut]) == row[1] and sp.decode(tokens[cut + 1:-1]) == row[2]
+            assert tokens[-1] == d.eos()
+        if split == "test":
+            assert "target" not in batch
+        else:  # sorted labels: entailment -> class 0, not_entailment -> class 1
+            classes = ["entailment", "not_entailment"]
+            assert batch["target"].view(-1).tolist() == [classes.index(r[3]) for r in rows]
+
+
+def test_glue_single_sentence_regression_no_header(corpus, text_bin, tmp_path, capsys):
+    root, lines = corpus
+    rows = [(f"{i % 5}.{i % 7}", "x", lines[i]) for i in range(30)]
+    write_tsv(tmp_path / "train.tsv", None, rows)
+    write_tsv(tmp_path / "dev.tsv", None, rows[:8])
+    out = tmp_path / "stsb"
+    rc = glue_cli.main(["--train", str(tmp_path / "train.tsv"), "--dev", str(tmp_path / "dev.tsv"),
+                        "--spm", str(text_bin / "sentencepiece.bpe.model"), "--dict",
+                        str(text_bin / "dict.txt"), "--destdir", str(out), "--columns", "2,0",
+                        "--no-header", "--regression"])
+    assert rc == 0, capsys.readouterr().err
+    assert not (out / "input1").exists()
+    task = sentence_prediction_task(out, num_classes=1, regression=True)
+    task.load_dataset("valid")
+    ds = task.dataset("valid")
+    assert len(ds) == 8
+    batch = ds.collater([ds[i] for i in range(len(ds))])
+    assert batch["target"].view(-1).tolist() == pytest.approx([float(r[0]) for r in rows[:8]])
+
+
+# ---- bad input: clear message, non-zero exit, no destdir that looks complete ---------------------
+
+def _bad_text_inputs(tmp: Path):
+    good = tmp / "good.txt"
+    good.write_text("\n".join(corpus_lines(40)) + "\n", encoding="utf-8")
+    (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "blank.txt").write_text("\n  \n\n", encoding="utf-8")
+    latin = "\n".join(corpus_lines(10)).encode("utf-8").split(b"\n")
+    latin[6] += " caf\xe9".encode("latin-1")  # line 7 (1-based): a Latin-1 byte
+    (tmp / "latin1.txt").write_bytes(b"\n".join(latin) + b"\n")
+    return good
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("missing", ["--input", "file not found", "nope.txt"]),
+    ("empty", ["--input", "empty (0 bytes)", "empty.txt"]),
+    ("blank", ["--input", "empty (only 3 blank lines)", "blank.txt"]),
+    ("latin1", ["latin1.txt:7:", "not valid UTF-8", "column"]),
+    ("valid_missing", ["--valid", "file not found", "nope.txt"]),
+])
+def test_text_bad_input(tmp_path, case, expected):
+    good = _bad_text_inputs(tmp_path)
+    out = tmp_path / "out"
+    files = {"missing": ["--input", str(tmp_path / "nope.txt")],
+             "empty": ["--input", str(tmp_path / "empty.txt")],
+             "blank": ["--input", str(good), str(tmp_path / "blank.txt")],
+             "latin1": ["--input", str(good), str(tmp_path / "latin1.txt")],
+             "valid_missing": ["--input", str(good), "--valid", str(tmp_path / "nope.txt")]}[case]
+    proc = run_module("text", *files, "--destdir", str(out), "--vocab-size", "100")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ")
+    for needle in expected:
+        assert needle in last, last
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_vocab_too_large_says_what_fits(tmp_path, capsys):
+    good = _bad_text_inputs(tmp_path)
+    out = tmp_path / "out"
+    rc = text_cli.main(["--input", str(good), "--destdir", str(out), "--vocab-size", "8000",
+                        "--valid-ratio", "0", "--test-ratio", "0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and err.startswith("error: --vocab-size 8000 is too large"), err
+    # sentencepiece got to work (a staging folder existed) but nothing is left behind.
+    assert not out.exists() and leftovers(tmp_path) == []
+    most = int(err.split("Pass --vocab-size ")[1].split()[0])
+    assert 4 < most < 8000
+    # The suggestion is right: it fits.
+    rc = text_cli.main(["--input", str(good), "--destdir", str(out), "--vocab-size", str(most),
+                        "--valid-ratio", "0", "--test-ratio", "0"])
+    assert rc == 0, capsys.readouterr().err
+    assert len((out / "dict.txt").read_text().splitlines()) == most - 4
+
+
+def test_vocab_too_small_says_what_is_needed(tmp_path, capsys):
+    good = _bad_text_inputs(tmp_path)
+    out = tmp_path / "out"
+    common = ["--input", str(good), "--destdir", str(out), "--valid-ratio", "0", "--test-ratio", "0"]
+    assert text_cli.main(common + ["--vocab-size", "10"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --vocab-size 10 is too small") and "--character-coverage" in err, err
+    assert not out.exists() and leftovers(tmp_path) == []
+    need = int(err.split("Pass --vocab-size ")[1].split()[0])
+    assert text_cli.main(common + ["--vocab-size", str(need)]) == 0, capsys.readouterr().err
+    assert text_cli.main(common + ["--vocab-size", str(need - 1), "--force"]) == 1
+
+
+def test_failed_rerun_keeps_previous_output(text_bin, corpus, tmp_path, capsys):
+    root, _ = corpus
+    out = tmp_path / "bin"
+    shutil.copytree(text_bin, out)
+    before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
+    args = ["--input", str(root / "a.txt"), "--destdir", str(out), "--vocab-size", "100000"]
+    assert text_cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--force" in err
+    assert text_cli.main(args + ["--force"]) == 1  # vocab too large: fails after starting work
+    assert "too large" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("no_column", ["--sentence2-column", "'question'", "train.tsv", "header has"]),
+    ("unknown_label", ["dev.tsv:3:", "'maybe'", "never occurs in --train"]),
+    ("latin1", ["dev.tsv:2:", "not valid UTF-8"]),
+    ("short_row", ["train.tsv:4:", "columns"]),
+    ("missing", ["--test", "file not found"]),
+])
+def test_glue_bad_input(glue_tsvs, text_bin, tmp_path, capsys, case, expected):
+    root, train, dev, _ = glue_tsvs
+    header = ["index", "sentence1", "sentence2", "label"]
+    write_tsv(tmp_path / "train.tsv", header, train)
+    write_tsv(tmp_path / "dev.tsv", header, dev)
+    columns = ["--columns", "sentence1,sentence2,label"]
+    extra = []
+    if case == "no_column":
+        columns = ["--sentence1-column", "sentence1", "--sentence2-column", "question",
+                   "--label-column", "label"]
+    elif case == "unknown_label":
+        write_tsv(tmp_path / "dev.tsv", header, [dev[0], (*dev[1][:3], "maybe")])
+    elif case == "latin1":
+        (tmp_path / "dev.tsv").write_bytes(b"index\tsentence1\tsentence2\tlabel\n0\tna\xefve\tb\tentailment\n")
+    elif case == "short_row":
+        write_tsv(tmp_path / "train.tsv", header, [train[0], train[1], train[2][:2]])
+    elif case == "missing":
+        extra = ["--test", str(tmp_path / "nope.tsv")]
+    out = tmp_path / "out"
+    rc = glue_cli.main(["--train", str(tmp_path / "train.tsv"), "--dev", str(tmp_path / "dev.tsv"),
+                        *extra,
+                        "--spm", str(text_bin / "sentencepiece.bpe.model"), "--dict",
+                        str(text_bin / "dict.txt"), "--destdir", str(out), *columns])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and err.startswith("error: "), err
+    for needle in expected:
+        assert needle in err, err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_glue_rejects_dict_of_another_model(glue_tsvs, text_bin, tmp_path, capsys):
+    root, *_ = glue_tsvs
+    words = (text_bin / "dict.txt").read_text().splitlines()
+    (tmp_path / "dict.txt").write_text("\n".join([words[1], words[0], *words[2:]]) + "\n")
+    rc = glue_cli.main(["--train", str(root / "train.tsv"), "--dev", str(root / "dev.tsv"), "--spm",
+                        str(text_bin / "sentencepiece.bpe.model"), "--dict", str(tmp_path / "dict.txt"),
+                        "--destdir", str(tmp_path / "out"), "--columns", "sentence1,label"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "does not match the sentencepiece model: line 1" in err, err
+    assert not (tmp_path / "out").exists()
