@@ -103,6 +103,9 @@ def test_eval_lm_same_loss_in_every_form(trained, text_data_bin):
     # so nothing is truncated. More context should not make this model worse by much.
     wide = eval_lm_in_process(text_data_bin, ckpt, "--context-window", "48")
     assert 3.0 < wide < losses["parallel"] + 0.5, (wide, losses)
+    # one sentence per sample: right-padded batches, and TokenBlockDataset reads np.compat.long (numpy 2 shim)
+    per_line = eval_lm_in_process(text_data_bin, ckpt, "--sample-break-mode", "eos")
+    assert 3.0 < per_line < 12.0
 
 
 def test_beam_search_scores_equal_parallel_forward(trained, text_data_bin):
