@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models in this process, as --user-dir does in the CLIs)
-from conftest import USER_DIR, fairseq_cli
+from conftest import USER_DIR
 
 TRAIN = ["--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-per-sample", "64",
          "--batch-size", "16", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt",
@@ -18,6 +18,26 @@ TRAIN = ["--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-pe
          "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints", "--save-interval-updates", "15",
          "--log-format", "json", "--log-interval", "5", "--lion-chunk-size", "16"]
 UPDATES, HALF = 30, 15  # an epoch of this corpus is ~80 updates: stopping at HALF is mid-epoch
+
+
+def fairseq_cli(module, *args, stdin=None):
+    """``python -m fairseq_cli.<module>`` on one thread: these tiny models gain nothing from a second one, and
+    on a busy 2-core machine its OpenMP spin-waits cost several times the work (measured: 0.09 s of CPU per
+    update on one thread, 0.3-2 s on two)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", f"fairseq_cli.{module}", *args], input=stdin, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"fairseq_cli.{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The in-process parts on one thread too (see fairseq_cli); restored for other test files."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def train(data, save_dir, max_update):
@@ -152,13 +172,9 @@ def test_hub_sample_and_interactive(trained, text_data_bin):
     out = hub.sample(["the python", "a list of"], beam=1, sampling=True, sampling_topk=10, max_len_b=8)
     assert all(o.startswith(p) and len(o.split()) > len(p.split()) for o, p in zip(out, ["the python", "a list of"]))
 
-    # fairseq-interactive reads prompts from stdin (conftest's fairseq_cli gives none)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.interactive", str(text_data_bin), "--user-dir", USER_DIR,
-                           "--task", "language_modeling", "--path", str(ckpt), "--beam", "2", "--max-len-b", "6",
-                           "--num-workers", "0"], input="the python language\na list of\n", env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = fairseq_cli("interactive", str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling",
+                       "--path", str(ckpt), "--beam", "2", "--max-len-b", "6", "--num-workers", "0",
+                       stdin="the python language\na list of\n")
     hyps = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hyps) == 2 and hyps[0][2].startswith("the python language") and hyps[1][2].startswith("a list of")
 
