@@ -27,6 +27,7 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
+from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
 from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions
 
@@ -117,8 +118,10 @@ class LionSentenceEncoder(FairseqEncoder):
         ``[(B, T)]`` and, with ``return_all_hiddens``, ``encoder_states`` (the embeddings and every
         layer's output, each ``(T, B, C)``)."""
         padding_mask = src_tokens.eq(self.padding_idx)
-        x = self.embed_tokens(src_tokens)
+        x = embed_tokens_checked(self.embed_tokens, src_tokens)
         if self.embed_positions is not None:
+            if src_tokens.size(1) > self.embed_positions.max_positions:  # only then count the real tokens
+                check_learned_positions(int((~padding_mask).sum(1).max()), self.embed_positions.max_positions)
             # make_positions counts only real tokens: a right- or left-padded sentence gets the
             # positions it has alone
             x = x + self.embed_positions(src_tokens)
@@ -218,7 +221,7 @@ class LionHubInterface(RobertaHubInterface):
 
 
 @register_model("lion_roberta", dataclass=LionEncoderConfig)
-class LionRobertaModel(RobertaModel):
+class LionRobertaModel(ClearLoadErrors, RobertaModel):
     """RoBERTa with LION attention: ``(B, T)`` tokens -> LM logits, features or classification logits."""
 
     def __init__(self, cfg: Any, encoder: LionRobertaEncoder):

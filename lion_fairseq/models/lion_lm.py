@@ -21,6 +21,7 @@ from fairseq.modules import FairseqDropout, LayerNorm
 from omegaconf import II
 from torch import Tensor
 
+from ..clear_errors import ClearLoadErrors, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
 from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions
 
@@ -110,7 +111,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         pad = tokens.eq(self.padding_idx)
         seen = saved["n_tokens"] if saved else tokens.new_zeros(tokens.shape[0])
 
-        x = self.embed_scale * self.embed_tokens(tokens)
+        x = self.embed_scale * embed_tokens_checked(self.embed_tokens, tokens)
         if self.embed_positions is not None:
             x = x + self.embed_positions(self._positions(pad, seen))
         x = self.dropout_module(x).transpose(0, 1)  # (T, B, C)
@@ -158,7 +159,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
 
 
 @register_model("lion_lm", dataclass=LionLMConfig)
-class LionLanguageModel(FairseqLanguageModel):
+class LionLanguageModel(ClearLoadErrors, FairseqLanguageModel):
     """A causal LION language model for ``--task language_modeling``."""
 
     @classmethod

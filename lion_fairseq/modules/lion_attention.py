@@ -76,10 +76,24 @@ class LionAttention(nn.Module):
         """``log lambda`` in float32: ``(B, H, T)`` for ``s``, ``(H, 1)`` for ``d``, None for ``lit``.
         ``x``: ``(T, B, C)``. logsigmoid keeps it finite (no ``log(1 - sigmoid)``) and differentiable."""
         if self.variant == "d":
-            return F.logsigmoid(self.gate_logit.float())[:, None]
+            logits = self.gate_logit.float()
+            self._check_finite(logits, "its learned gate logits (gate_logit parameter)")
+            return F.logsigmoid(logits)[:, None]
         if self.variant == "s":
-            return F.logsigmoid(self.gate_proj(x).float()).permute(1, 2, 0)
+            logits = self.gate_proj(x).float()
+            self._check_finite(logits, "the gate logits gate_proj(x) (the hidden states x, or gate_proj's weights)")
+            return F.logsigmoid(logits).permute(1, 2, 0)
         return None
+
+    def _check_finite(self, logits: Tensor, what: str) -> None:
+        """A NaN/inf gate would spread to every later position through the state: report it (one
+        reduction per call). FloatingPointError is what fairseq's trainer reports a NaN with."""
+        if not bool(torch.isfinite(logits).all()):
+            bad = int((~torch.isfinite(logits)).sum())
+            raise FloatingPointError(
+                f"LION-{self.variant.upper()} attention: {bad} of {logits.numel()} values of {what} are NaN or inf. "
+                "The input or the weights are already broken: check the data and the previous layer, or lower "
+                "--lr / clip gradients (--clip-norm); in fp16 use loss scaling or train in bf16")
 
     def _heads(self, x: Tensor) -> Tensor:
         T, B, _ = x.shape

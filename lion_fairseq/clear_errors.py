@@ -1,0 +1,234 @@
+"""Clear messages for faults users meet with fairseq: a truncated or corrupt checkpoint, a checkpoint of
+another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
+c10d`` on CPU. Each says what is wrong and what to pass; none changes what a working run does.
+
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps three
+fairseq functions so that their failures carry such a message (the original error stays chained):
+``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset`` and
+``models.DistributedFairseqModel``. Without ``--user-dir`` nothing of this package runs, so fairseq's own
+``KeyError: "'_name'"`` cannot be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains
+any checkpoint (missing, truncated, which model and arch, what to pass).
+
+Checkpoints are read with torch's ``weights_only=True`` default; ``argparse.Namespace`` (the legacy
+``args`` of older fairseq checkpoints) is allowed for the duration of the call only, never globally.
+"""
+import argparse
+import functools
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with what to do about it."""
+
+
+def _sibling_checkpoints(path: str) -> List[str]:
+    """Other ``*.pt`` files next to ``path``, newest first."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".pt") and
+                 os.path.join(folder, n) != os.path.abspath(path)]
+    except OSError:
+        return []
+    return sorted((os.path.join(folder, n) for n in names), key=os.path.getmtime, reverse=True)
+
+
+def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
+    """What to tell a user whose checkpoint ``torch.load`` could not read."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    others = _sibling_checkpoints(path)
+    hint = (f" Intact candidates next to it, newest first: {', '.join(others[:3])}." if others else "")
+    return (f"cannot read checkpoint {path} ({size} bytes): the file is truncated or corrupt "
+            f"({type(error).__name__}: {(str(error).split('. ')[0] or 'empty file')[:160]}). This happens when a run is killed "
+            "while it writes or copies a checkpoint, or when a copy is incomplete. fairseq-train resumes from "
+            "<save-dir>/checkpoint_last.pt: delete or replace that file with an intact checkpoint_<epoch>_<update>.pt, "
+            f"or pass --restore-file <an intact checkpoint>.{hint}")
+
+
+def _safe_load(path: str) -> Dict[str, Any]:
+    """``torch.load`` under the ``weights_only`` default, allowing ``argparse.Namespace`` for this call only."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _wrap_load_checkpoint_to_cpu(original):
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        try:
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
+        except (RuntimeError, EOFError, ValueError) as e:
+            if isinstance(e, CheckpointError) or not os.path.isfile(str(path)):
+                raise
+            # only errors of the file itself (torch.load of a truncated zip, an empty file, a bad pickle)
+            text = str(e)
+            if isinstance(e, EOFError) or "PytorchStreamReader" in text or "zip archive" in text \
+                    or "pickle" in text.lower() or "central directory" in text:
+                raise CheckpointError(unreadable_checkpoint_message(str(path), e)) from e
+            raise
+    load_checkpoint_to_cpu.__lion_wrapped__ = True
+    return load_checkpoint_to_cpu
+
+
+def _wrap_load_indexed_dataset(original):
+    @functools.wraps(original)
+    def load_indexed_dataset(path, *args, **kwargs):
+        try:
+            return original(path, *args, **kwargs)
+        except ValueError as e:
+            if "cannot mmap an empty file" not in str(e):
+                raise
+            split = os.path.basename(str(path))
+            raise ValueError(
+                f"data split {split!r} is empty: {path}.bin has no tokens (its text had no lines when "
+                "fairseq-preprocess binarised it). Re-run fairseq-preprocess on a non-empty file, or leave "
+                f"the split out (--disable-validation, or --valid-subset naming splits that have data)") from e
+    load_indexed_dataset.__lion_wrapped__ = True
+    return load_indexed_dataset
+
+
+def _wrap_distributed_model(original):
+    @functools.wraps(original)
+    def DistributedFairseqModel(args, model, process_group, device):
+        backend = getattr(args, "ddp_backend", None)
+        if torch.device(device).type == "cpu" and backend in ("c10d", "pytorch_ddp"):
+            raise ValueError(
+                f"--ddp-backend {backend} does not run on CPU in fairseq 0.12 (it passes a CUDA device id to "
+                "torch's DistributedDataParallel): on CPU (--cpu --distributed-backend gloo) pass "
+                "--ddp-backend legacy_ddp (alias no_c10d), which gives the same updates")
+        return original(args, model, process_group, device)
+    DistributedFairseqModel.__lion_wrapped__ = True
+    return DistributedFairseqModel
+
+
+def install() -> None:
+    """Wrap fairseq's checkpoint reader, dataset loader and DDP wrapper (idempotent)."""
+    from fairseq import checkpoint_utils, models
+    from fairseq.data import data_utils
+
+    if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "__lion_wrapped__", False):
+        checkpoint_utils.load_checkpoint_to_cpu = _wrap_load_checkpoint_to_cpu(checkpoint_utils.load_checkpoint_to_cpu)
+    if not getattr(data_utils.load_indexed_dataset, "__lion_wrapped__", False):
+        data_utils.load_indexed_dataset = _wrap_load_indexed_dataset(data_utils.load_indexed_dataset)
+    if not getattr(models.DistributedFairseqModel, "__lion_wrapped__", False):
+        models.DistributedFairseqModel = _wrap_distributed_model(models.DistributedFairseqModel)
+
+
+# ---- a checkpoint of another architecture -------------------------------------------------------------
+
+def describe_weights(state_dict: Dict[str, torch.Tensor]) -> str:
+    """A LION model's shape read from its weights: variant, layers, width (or 'not a LION model')."""
+    keys = list(state_dict)
+    layers = {int(m.group(1)) for k in keys for m in [re.search(r"\blayers\.(\d+)\.", k)] if m}
+    width = None
+    for k in keys:
+        if k.endswith("embed_tokens.weight"):
+            width = tuple(state_dict[k].shape)[-1]
+            break
+    if any(".gate_proj." in k for k in keys):
+        variant = "lion_s (a gate per token)"
+    elif any(k.endswith(".gate_logit") for k in keys):
+        variant = "lion_d (one gate per head)"
+    elif any(".self_attn.q_proj." in k for k in keys):
+        variant = "lion_lit (no gates) or a softmax Transformer"
+    else:
+        variant = "not a LION model"
+    return f"{variant}, {len(layers)} layers, width {width}"
+
+
+def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], error: BaseException) -> str:
+    return (f"this checkpoint's weights do not fit the model being built: the checkpoint holds "
+            f"{describe_weights(state_dict)}; the model is {describe_weights(model.state_dict())}. Pass the "
+            "checkpoint's own --arch (and size options) to continue or fine-tune it; to start a different "
+            "architecture from scratch, drop --restore-file / --finetune-from-model (and use a new --save-dir, "
+            f"since fairseq-train reloads <save-dir>/checkpoint_last.pt). torch said: {str(error)[:600]}")
+
+
+class ClearLoadErrors:
+    """Mixin for LION models: a state dict of another architecture fails with :func:`load_error_message`
+    (fairseq then adds its own 'please ensure that the architectures match')."""
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        try:
+            return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        except RuntimeError as e:
+            raise RuntimeError(load_error_message(self, state_dict, e)) from e
+
+
+# ---- diagnosis of a checkpoint (works without importing fairseq models) -------------------------------
+
+def explain(path: str) -> str:
+    """One paragraph on a checkpoint: readable or not, which model/arch, and what command-line to use."""
+    if not os.path.isfile(path):
+        return f"{path}: no such file"
+    try:
+        state = _safe_load(path)
+    except Exception as e:  # noqa: BLE001 - any failure to read is the diagnosis
+        return unreadable_checkpoint_message(path, e)
+    cfg = state.get("cfg") or {}
+    model_cfg = cfg.get("model") if hasattr(cfg, "get") else None
+    name = None
+    if model_cfg is not None:
+        name = model_cfg.get("_name") if hasattr(model_cfg, "get") else None
+    if name is None and state.get("args") is not None:
+        name = getattr(state["args"], "arch", None)
+    task = None
+    if hasattr(cfg, "get") and cfg.get("task") is not None:
+        task = cfg["task"].get("_name")
+    updates = (state.get("optimizer_history") or [{}])[-1].get("num_updates")
+    where = f"{path}: model/arch {name!r}, task {task!r}, {updates} updates, {describe_weights(state.get('model', {}))}."
+    if name and str(name).startswith("lion"):
+        return (where + f" It was trained with this plugin: every fairseq command that reads it needs "
+                f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "
+                "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
+    return where
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lion_fairseq.check_checkpoint",
+                                     description="Explain a fairseq checkpoint: readable? which model? what to pass?")
+    parser.add_argument("checkpoints", nargs="+")
+    args = parser.parse_args(argv)
+    bad = 0
+    for path in args.checkpoints:
+        text = explain(path)
+        bad += text.startswith("cannot read") or text.endswith("no such file")
+        print(text)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# ---- data that does not fit the model -------------------------------------------------------------------
+
+def embed_tokens_checked(embed: torch.nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """``embed(tokens)``; a token id past the embedding table (binaries made with another, larger
+    dictionary) fails with a message instead of torch's 'index out of range in self'. Costs nothing
+    when the ids fit (the check runs only after the lookup failed)."""
+    try:
+        return embed(tokens)
+    except IndexError as e:
+        raise ValueError(
+            f"token id {int(tokens.max())} is past the dictionary's {embed.num_embeddings} entries: the binarised "
+            "data was made with another (larger) dictionary than the dict.txt in the data folder (or than the "
+            "checkpoint's). Binarise with fairseq-preprocess --srcdict <the dict.txt you train with>, or use the "
+            "dict.txt written next to these .bin files") from e
+
+
+def check_learned_positions(longest: int, max_positions: int) -> None:
+    """Learned absolute positions (LION-LIT) stop at the training length; say so, and what to pass."""
+    if longest > max_positions:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the {max_positions} learned positions of this model "
+            "(--lion-positions learned, LION-LIT's default; --max-positions / --tokens-per-sample at training): "
+            "use shorter inputs (--tokens-per-sample, --max-positions, --truncate-sequence), or train with "
+            "--lion-positions none, or LION-D / LION-S, which have no positions and no length limit")
