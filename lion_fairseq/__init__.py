@@ -15,5 +15,6 @@ if tuple(int(x) for x in fairseq.__version__.split(".")[:2] if x.isdigit()) < (0
 from . import numpy_compat  # noqa: E402,F401  (fairseq 0.12 reads np.compat.long, gone in numpy 2)
 from . import models  # noqa: E402,F401  (registers the models with fairseq)
 from . import tasks  # noqa: E402,F401
+from . import criterions  # noqa: E402,F401
 from . import clear_errors  # noqa: E402  (clear messages for broken checkpoints, data, DDP backends)
 clear_errors.install()

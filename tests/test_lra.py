@@ -1,0 +1,360 @@
+"""Long Range Arena: the orderings, the two-scan attention, the generators, the converters of every
+release layout, and each ``lra_*`` task training a few updates through fairseq-train on a tiny sample
+written in its real layout (TSV, aclImdb folders, CIFAR-10 pickles, Pathfinder PNG folders)."""
+import json
+import os
+import pickle
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+import lion_fairseq  # noqa: F401  (registers tasks, models and criterions, as --user-dir does)
+from conftest import ROOT, USER_DIR, fairseq_cli
+from lion_fairseq.lra import listops, pathfinder
+from lion_fairseq.lra.ordering import ORDERS, col_snake, inverse, ordering, row_snake
+from lion_fairseq.modules.lion_attention import LionAttention
+from lion_fairseq.modules.two_scan_attention import LionTwoScanAttention
+from preprocess import lra as prep
+from reference import reference_mask
+
+FORMS = ("parallel", "chunk", "recurrent")
+
+
+# ---- orderings ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("height,width", [(1, 1), (1, 5), (4, 1), (2, 3), (5, 4), (32, 32)])
+@pytest.mark.parametrize("name", ORDERS)
+def test_orderings_are_permutations_whose_inverse_restores(name, height, width):
+    perm = ordering(name, height, width)
+    assert sorted(perm.tolist()) == list(range(height * width))
+    x = torch.randn(3, height * width, 2)
+    assert torch.equal(x[:, perm][:, inverse(perm)], x)
+    assert torch.equal(inverse(perm)[perm], torch.arange(height * width))
+
+
+@pytest.mark.parametrize("height,width", [(2, 3), (5, 4), (7, 7)])
+def test_snakes_step_to_a_neighbouring_pixel_every_time(height, width):
+    for perm in (row_snake(height, width), col_snake(height, width)):
+        r, c = perm // width, perm % width
+        assert ((r[1:] - r[:-1]).abs() + (c[1:] - c[:-1]).abs()).eq(1).all()
+
+
+def test_snake_orders_on_a_small_grid():
+    # 0 1 2
+    # 3 4 5
+    assert row_snake(2, 3).tolist() == [0, 1, 2, 5, 4, 3]
+    assert col_snake(2, 3).tolist() == [0, 3, 4, 1, 2, 5]
+    with pytest.raises(ValueError, match="ordering"):
+        ordering("spiral", 2, 2)
+
+
+# ---- two-scan attention -----------------------------------------------------------------------------------
+
+def _two_scan(variant: str, form: str = "parallel", height: int = 3, width: int = 4, seed: int = 0,
+              **kw) -> LionTwoScanAttention:
+    torch.manual_seed(seed)
+    m = LionTwoScanAttention(8, 2, variant, height=height, width=width, form=form, chunk_size=5, **kw).double()
+    with torch.no_grad():  # different gates per scan, and strong enough decay to matter
+        if variant == "d":
+            m.gate_logit.copy_(torch.tensor([2.0, -1.0]))
+            m.col_gate_logit.copy_(torch.tensor([-0.5, 0.5]))
+    return m
+
+
+def _dense_two_scan(m: LionTwoScanAttention, x: torch.Tensor, pad=None) -> torch.Tensor:
+    """The definition: average the two scans' masks in grid coordinates, then normalised attention."""
+    q, k, v = (m._heads(p(x)) for p in (m.q_proj, m.k_proj, m.v_proj))
+    q, k = m.phi(q), m.phi(k)
+    B, H, T, _ = q.shape
+    masks = []
+    for scan in range(2):
+        perm = m.perms[scan]
+        fwd, bwd = m._directional_gates(m._scan_log_gates(x[perm], scan))
+        ones = torch.zeros(B, H, T, dtype=torch.float64)
+        # the gates are float32 by design; their products are taken in float64, as the parallel form does
+        f = (fwd.double().expand(B, H, T) if fwd is not None else ones).exp()
+        b = (bwd.double().expand(B, H, T) if bwd is not None else ones).exp()
+        inv = m.inverses[scan]
+        masks.append(reference_mask(f, b, causal=False)[..., inv, :][..., :, inv])  # scan -> grid coordinates
+    A = (q @ k.transpose(-1, -2)) * (masks[0] + masks[1]) / 2
+    if pad is not None:
+        A = A.masked_fill(pad[:, None, None, :], 0.0)
+    y = (A @ v) / (A.sum(-1, keepdim=True) + m.eps)
+    return m._output(y)
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_two_scan_is_the_average_of_two_snake_masks_in_every_form(variant):
+    x = torch.randn(12, 2, 8, dtype=torch.float64, requires_grad=True)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 9:] = True  # padding works too (images have none, but the module must not mix it in)
+    m = _two_scan(variant)
+    want = _dense_two_scan(m, x, pad)
+    grads = {}
+    for form in FORMS:
+        m.form = form
+        y = m(x, key_padding_mask=pad)
+        torch.testing.assert_close(y, want, rtol=1e-9, atol=1e-10, msg=f"{variant} {form}")
+        grads[form] = torch.autograd.grad(y.square().sum(), [x] + list(m.parameters()))
+    for form in ("chunk", "recurrent"):
+        for g, g_ref in zip(grads[form], grads["parallel"]):
+            torch.testing.assert_close(g, g_ref, rtol=1e-8, atol=1e-10)
+    if variant == "s":  # the column scan's own gate is trained
+        assert grads["parallel"][-2].abs().sum() > 0  # col_gate_proj.weight
+
+
+def test_two_scan_differs_from_one_scan_only_through_the_masks():
+    """lit has no decay: both masks are all ones, so it equals ordinary LION-LIT attention; LION-D's
+    decays make the snake masks differ from each other and from row-major."""
+    x = torch.randn(12, 2, 8, dtype=torch.float64)
+    two = _two_scan("lit")
+    one = LionAttention(8, 2, "lit", form="parallel").double()
+    one.load_state_dict(two.state_dict())
+    torch.testing.assert_close(two(x), one(x), rtol=1e-9, atol=1e-10)
+    two_d = _two_scan("d")
+    one_d = LionAttention(8, 2, "d", form="parallel").double()
+    one_d.load_state_dict({k: v for k, v in two_d.state_dict().items() if not k.startswith("col_")})
+    assert (two_d(x) - one_d(x)).abs().max() > 1e-3
+
+
+def test_two_scan_refuses_a_sequence_of_the_wrong_size():
+    with pytest.raises(ValueError, match="3x4 grid"):
+        _two_scan("s")(torch.randn(11, 1, 8, dtype=torch.float64))
+
+
+# ---- generators -----------------------------------------------------------------------------------------
+
+def test_listops_values_and_release_format():
+    tree = ("[MAX", [2, 9, ("[MIN", [4, 7]), 0])
+    assert listops.evaluate(tree) == 9
+    assert listops.tokens(tree) == "[MAX 2 9 [MIN 4 7 ] 0 ]".split()
+    assert listops.to_release_string(("[MAX", [2, 9])) == "( ( ( [MAX 2 ) 9 ) ] )"
+    assert listops.tokens_of(listops.to_release_string(tree)) == listops.tokens(tree)
+    assert listops.evaluate(("[SM", [7, 8, 9])) == 4
+    assert listops.evaluate(("[MED", [1, 9, 4, 6])) == 5  # int(median) = int(5.0)
+    assert listops.evaluate(("[MED", [1, 2])) == 1  # int(1.5)
+    rows = listops.generate(30, random.Random(0), min_length=50, max_length=120)
+    assert len({s for s, _ in rows}) == 30
+    for s, value in rows:
+        assert 50 <= len(listops.tokens_of(s)) <= 120 and 0 <= value <= 9
+        assert s.count("(") == s.count(")")
+
+
+def test_generators_have_a_help(capsys):
+    for module in (listops, pathfinder):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(["--help"])
+        assert exit_info.value.code == 0 and "--output-dir" in capsys.readouterr().out
+
+
+def test_pathfinder_generator_writes_the_release_layout(tmp_path):
+    written = pathfinder.write_release(tmp_path, 6, size=32, per_folder=4, seed=1)
+    lines = (tmp_path / "curv_baseline" / "metadata" / "1.npy").read_text().split("\n")
+    assert lines[0].split()[:2] == ["imgs/1", "sample_4.png"]
+    index = prep.pathfinder_index(tmp_path / "curv_baseline")
+    assert [(p, label) for p, label in index] == written
+    img = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(written[0][0]))
+    assert img.shape == (32, 32) and img.max() == 255 and (img == 0).mean() > 0.5
+
+
+# ---- converters and tasks, through fairseq-train ----------------------------------------------------------
+
+COMMON = ["--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--seed", "1", "--criterion", "lion_classification",
+          "--optimizer", "adam", "--lr", "0.003", "--log-format", "json", "--log-interval", "1",
+          "--no-progress-bar", "--no-epoch-checkpoints", "--best-checkpoint-metric", "accuracy",
+          "--maximize-best-checkpoint-metric"]
+
+
+def _records(out: str, tag: str) -> List[Dict]:
+    return [json.loads(m.group(1)) for m in re.finditer(rf"\| {tag} \| (\{{.*\}})", out)]
+
+
+def _train(data: Path, save: Path, task: str, *extra: str, updates: int = 3, batch: int = 4) -> str:
+    proc = fairseq_cli("train", str(data), *COMMON, "--task", task, "--save-dir", str(save),
+                       "--max-update", str(updates), "--batch-size", str(batch), *extra)
+    out = proc.stdout + proc.stderr
+    inner = _records(out, "train_inner")
+    assert len(inner) == updates
+    for r in inner:
+        assert np.isfinite(float(r["loss"])) and 0 <= float(r["accuracy"]) <= 100
+    assert (save / "checkpoint_last.pt").is_file()
+    return out
+
+
+def _preprocess(*argv: str) -> Path:
+    assert prep.main(list(argv)) == 0
+    return Path(argv[argv.index("--destdir") + 1])
+
+
+def _valid_count(out: str) -> int:
+    return int(_records(out, "valid")[-1]["valid_examples"])
+
+
+def test_listops_generated_tsv_to_training(tmp_path):
+    listops.main(["--output-dir", str(tmp_path / "tsv"), "--num-train", "12", "--num-valid", "5", "--num-test", "3",
+                  "--min-length", "20", "--max-length", "200", "--seed", "3"])
+    assert (tmp_path / "tsv" / "basic_val.tsv").read_text().startswith("Source\tTarget\n")
+    data = _preprocess("listops", "--input-dir", str(tmp_path / "tsv"), "--destdir", str(tmp_path / "bin"))
+    meta = json.loads((data / "lra.json").read_text())
+    assert meta["splits"]["valid"]["items"] == 5 and meta["splits"]["train"]["longest"] <= 200
+    # through the recipe, which runs fairseq-train and then fairseq-validate on the test split
+    env = dict(os.environ, ARCH="lion_s_lra_tiny", MAX_UPDATE="3", BATCH_SIZE="4", VALIDATE_INTERVAL="3",
+               LOG_INTERVAL="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(ROOT / "user_dir_examples" / "lra" / "train.sh"), "listops", str(data),
+                           str(tmp_path / "ck"), "--lion-form", "recurrent", "--cpu", "--num-workers", "0"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert len(_records(out, "train_inner")) == 3
+    assert _valid_count(out) == 5  # every valid example counted (fairseq's batching would drop some)
+    test = _records(out, "test")[-1]
+    assert int(test["test_examples"]) == 3 and 0 <= float(test["test_accuracy"]) <= 100
+
+
+def test_text_imdb_folder_to_training(tmp_path):
+    rng = random.Random(0)
+    for split, n in (("train", 6), ("test", 3)):
+        for label in ("pos", "neg"):
+            folder = tmp_path / "aclImdb" / split / label
+            folder.mkdir(parents=True)
+            for i in range(n):
+                words = rng.choices(["great", "awful", "film", "plot", "é"], k=rng.randint(5, 60))
+                (folder / f"{i}_7.txt").write_text(" ".join(words), encoding="utf-8")
+    data = _preprocess("text", "--imdb-dir", str(tmp_path / "aclImdb"), "--destdir", str(tmp_path / "bin"),
+                       "--max-length", "100")
+    from fairseq.data import data_utils
+    ds = data_utils.load_indexed_dataset(str(data / "input0" / "train"), None)
+    assert len(ds) == 12 and max(ds.sizes) <= 100
+    out = _train(data, tmp_path / "ck", "lra_text", "--arch", "lion_d_lra_tiny")
+    assert _valid_count(out) == 6
+
+
+def test_retrieval_tsv_pairs_to_training(tmp_path):
+    folder = tmp_path / "tsv_data"
+    folder.mkdir()
+    rng = random.Random(1)
+    for split, n in (("train", 8), ("eval", 4), ("test", 4)):
+        rows = [f"{rng.choice(['0', '1.0'])}\tid{i}a\tid{i}b\t{'x' * rng.randint(3, 70)}\t{'paper ' * rng.randint(1, 9)}"
+                for i in range(n)]
+        (folder / f"new_aan_pairs.{split}.tsv").write_text("\n".join(rows) + "\n")
+    data = _preprocess("retrieval", "--input-dir", str(folder), "--destdir", str(tmp_path / "bin"))
+    assert (data / "input1" / "train.bin").is_file()
+    out = _train(data, tmp_path / "ck", "lra_retrieval", "--arch", "lion_s_lra_tiny", "--lion-form", "chunk",
+                 "--lion-chunk-size", "16")
+    assert _valid_count(out) == 4
+
+    # the shared encoder sees each document alone: a document's vector does not depend on its partner
+    # or on the padding its batch-mate forces
+    from fairseq import checkpoint_utils
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "ck" / "checkpoint_last.pt")])
+    model = models[0].eval()
+    assert model.classifier[0].in_features == 4 * model.cfg.encoder_embed_dim
+    short = torch.tensor([[10, 11, 12, 13]])
+    batch = torch.tensor([[10, 11, 12, 13, 1, 1, 1], [20, 21, 22, 23, 24, 25, 26]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode(batch)[0], model.encode(short)[0], rtol=1e-5, atol=1e-6)
+        assert model(batch, src_tokens_1=batch.flip(0)).shape == (2, 2)
+
+
+def _cifar(folder: Path, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"batch_label": name.encode(), b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, n).tolist(), b"filenames": [b"x.png"] * n}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+
+
+def test_cifar_grayscale_tokens():
+    data = np.zeros((1, 3072), dtype=np.uint8)
+    data[0, 0] = 255  # pixel 0 pure red
+    data[0, 1024 + 1] = 255  # pixel 1 pure green
+    data[0, 2048 + 2] = 255  # pixel 2 pure blue
+    gray = prep.cifar_tokens(data, rgb=False)[0] - 4
+    assert gray[:4].tolist() == [76, 150, 29, 0]  # round(255 * (0.299, 0.587, 0.114))
+    assert (prep.cifar_tokens(data, rgb=True)[0, :6] - 4).tolist() == [255, 0, 0, 0, 255, 0]
+
+
+def test_image_cifar_pickles_to_training_with_two_snakes(tmp_path):
+    _cifar(tmp_path / "cifar-10-batches-py", 2, seed=0)
+    data = _preprocess("image", "--input-dir", str(tmp_path / "cifar-10-batches-py"), "--destdir",
+                       str(tmp_path / "bin"), "--valid-size", "3")
+    meta = json.loads((data / "lra.json").read_text())
+    assert meta["image_size"] == 32 and [meta["splits"][s]["items"] for s in ("train", "valid", "test")] == [7, 3, 2]
+    out = _train(data, tmp_path / "ck", "lra_image", "--arch", "lion_s_lra_tiny", "--lion-order", "two_snake",
+                 "--lion-form", "chunk", "--encoder-layers", "1")
+    assert _valid_count(out) == 3
+
+    # the trained two-scan model gives the same logits in every form (switched on the checkpoint)
+    from fairseq import checkpoint_utils
+    from lion_fairseq.modules.two_scan_attention import LionTwoScanAttention as TwoScan
+    logits = {}
+    for form in FORMS:
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [str(tmp_path / "ck" / "checkpoint_last.pt")], arg_overrides={"lion_form": form})
+        model = models[0].eval()
+        assert all(isinstance(layer.self_attn, TwoScan) and layer.self_attn.form == form
+                   for layer in model.encoder.layers)
+        task.load_dataset("valid")
+        tokens = torch.stack([task.datasets["valid"][i]["net_input.src_tokens"] for i in range(2)])
+        with torch.no_grad():
+            logits[form] = model(tokens)
+    for form in ("chunk", "recurrent"):
+        torch.testing.assert_close(logits[form], logits["parallel"], rtol=1e-4, atol=1e-5)
+
+
+def test_pathfinder_png_folders_to_training_in_snake_order(tmp_path):
+    pathfinder.write_release(tmp_path / "pathfinder32", 20, size=32, seed=2, difficulty="curv_contour_length_14")
+    data = _preprocess("pathfinder", "--input-dir", str(tmp_path / "pathfinder32"), "--destdir", str(tmp_path / "bin"))
+    meta = json.loads((data / "lra.json").read_text())
+    assert meta["max_length"] == 1024 and [meta["splits"][s]["items"] for s in ("train", "valid", "test")] == [16, 2, 2]
+    out = _train(data, tmp_path / "ck", "lra_pathfinder", "--arch", "lion_d_lra_tiny", "--lion-order", "row_snake")
+    assert _valid_count(out) == 2
+    with pytest.raises(ValueError, match="Path-X"):  # 32px data is not Path-X
+        from lion_fairseq.tasks.lra import LRAPathXConfig, LRAPathXTask
+        LRAPathXTask.setup_task(LRAPathXConfig(data=str(data), seed=1))
+
+
+def test_pathx_128px_trains_with_two_snakes(tmp_path):
+    pathfinder.write_release(tmp_path / "pathfinder128", 10, size=128, seed=3)
+    data = _preprocess("pathfinder", "--input-dir", str(tmp_path / "pathfinder128"), "--difficulty", "curv_baseline",
+                       "--destdir", str(tmp_path / "bin"))
+    out = _train(data, tmp_path / "ck", "lra_pathx", "--arch", "lion_s_lra_tiny", "--lion-order", "two_snake",
+                 "--encoder-layers", "1", "--lion-chunk-size", "128", updates=2, batch=2)
+    assert _valid_count(out) == 1
+
+
+# ---- errors -----------------------------------------------------------------------------------------------
+
+def test_errors_name_the_file_line_or_option(tmp_path, capsys):
+    bad = tmp_path / "tsv"
+    bad.mkdir()
+    for split in ("train", "val", "test"):
+        (bad / f"basic_{split}.tsv").write_text("Source\tTarget\n( [MAX 1 2 ] )\t2\n( [MAX 1 ] )\t12\n")
+    assert prep.main(["listops", "--input-dir", str(bad), "--destdir", str(tmp_path / "out")]) == 1
+    assert "basic_train.tsv:3: label '12'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+    listops.main(["--output-dir", str(tmp_path / "ok"), "--num-train", "2", "--num-valid", "1", "--num-test", "1",
+                  "--min-length", "5", "--max-length", "30"])
+    data = _preprocess("listops", "--input-dir", str(tmp_path / "ok"), "--destdir", str(tmp_path / "bin"))
+    from argparse import Namespace
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+    from lion_fairseq.models.lion_lra import LionLRAModel
+    from lion_fairseq.tasks.lra import LRAImageConfig, LRAImageTask, LRAListOpsConfig, LRAListOpsTask
+    with pytest.raises(ValueError, match="holds LRA 'listops' data"):
+        LRAImageTask.setup_task(LRAImageConfig(data=str(data), seed=1))
+    task = LRAListOpsTask.setup_task(LRAListOpsConfig(data=str(data), seed=1))
+    args = Namespace(lion_order="two_snake")
+    ARCH_CONFIG_REGISTRY["lion_s_lra_tiny"](args)
+    with pytest.raises(ValueError, match="needs a 2-D task"):
+        LionLRAModel.build_model(args, task)
