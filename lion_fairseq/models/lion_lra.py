@@ -40,10 +40,15 @@ ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
 @dataclass
 class LionLRAConfig(LionOptions):
-    encoder_layers: int = field(default=4, metadata={"help": "num encoder layers"})
-    encoder_embed_dim: int = field(default=128, metadata={"help": "encoder embedding dimension"})
-    encoder_ffn_embed_dim: int = field(default=512, metadata={"help": "encoder embedding dimension for FFN"})
-    encoder_attention_heads: int = field(default=4, metadata={"help": "num encoder attention heads"})
+    # sizes default to None so that the arch decides (fairseq-hydra-train merges dataclass defaults
+    # before the arch function runs); the model name itself gets DEFAULT_SIZE
+    encoder_layers: Optional[int] = field(default=None, metadata={"help": "num encoder layers (default: the arch's)"})
+    encoder_embed_dim: Optional[int] = field(
+        default=None, metadata={"help": "encoder embedding dimension (default: the arch's)"})
+    encoder_ffn_embed_dim: Optional[int] = field(
+        default=None, metadata={"help": "encoder embedding dimension for FFN (default: the arch's)"})
+    encoder_attention_heads: Optional[int] = field(
+        default=None, metadata={"help": "num encoder attention heads (default: the arch's)"})
     encoder_normalize_before: bool = field(
         default=True, metadata={"help": "pre-norm blocks, as LRA's Transformer (--no-encoder-normalize-before "
                                         "for post-norm)"})
@@ -162,8 +167,15 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 
 
+DEFAULT_SIZE = dict(SIZES["retrieval"], lion_variant="s")  # 4 x 128: the model name without an arch
+
+
 def lion_lra_base(args: Any) -> None:
-    """Fill every option the command line left unset (None) with the config's default."""
+    """Fill every option the command line (or the arch) left unset (None): sizes and variant of
+    ``DEFAULT_SIZE``, everything else the config's default."""
+    for name, value in DEFAULT_SIZE.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     for f in fields(LionLRAConfig):
         if not f.name.startswith("_") and getattr(args, f.name, None) is None:
             setattr(args, f.name, f.default)
