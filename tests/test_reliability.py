@@ -300,9 +300,6 @@ checkpoint: {{save_dir: {tmp_path / 'ckpt'}, no_epoch_checkpoints: true}}
     assert state["optimizer_history"][-1]["optimizer_name"] == "FP16Optimizer"
 
 
-@pytest.mark.xfail(strict=True, reason="fairseq-hydra-train merges the model dataclass defaults before the "
-                   "arch function runs, so `_name: lion_lit_lm_tiny` gets 6 x 512 LION-S; spell out the sizes "
-                   "and lion_variant in the config until the dataclass defaults are None")
 def test_hydra_model_name_of_an_arch_keeps_the_dataclass_defaults(text_data_bin):
     from fairseq import tasks
     from fairseq_cli.hydra_train import add_defaults
@@ -313,6 +310,20 @@ def test_hydra_model_name_of_an_arch_keeps_the_dataclass_defaults(text_data_bin)
     add_defaults(cfg)
     model = tasks.setup_task(cfg.task).build_model(cfg.model)
     assert model.decoder.layers[0].self_attn.variant == "lit" and len(model.decoder.layers) == 2
+    assert model.decoder.layers[0].self_attn.embed_dim == 128
+    # the model's own name gets the base size and LION-S; the same holds for the encoder
+    cfg = OmegaConf.create({"task": {"_name": "language_modeling", "data": str(text_data_bin)},
+                            "model": {"_name": "lion_lm"}})
+    add_defaults(cfg)
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    assert model.decoder.layers[0].self_attn.variant == "s" and len(model.decoder.layers) == 6
+    for name, variant, layers in (("lion_lit_tiny", "lit", 2), ("lion_roberta", "s", 12)):
+        cfg = OmegaConf.create({"task": {"_name": "masked_lm", "data": str(text_data_bin)}, "model": {"_name": name}})
+        add_defaults(cfg)
+        model = tasks.setup_task(cfg.task).build_model(cfg.model)
+        layer = model.encoder.sentence_encoder.layers[0]
+        assert len(model.encoder.sentence_encoder.layers) == layers
+        assert layer.self_attn.variant == variant
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------

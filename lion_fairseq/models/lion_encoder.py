@@ -40,10 +40,14 @@ UNBOUNDED_POSITIONS = 1_000_000_000
 
 @dataclass
 class LionEncoderConfig(LionOptions):
-    encoder_layers: int = field(default=12, metadata={"help": "num encoder layers"})
-    encoder_embed_dim: int = field(default=768, metadata={"help": "encoder embedding dimension"})
-    encoder_ffn_embed_dim: int = field(default=3072, metadata={"help": "encoder embedding dimension for FFN"})
-    encoder_attention_heads: int = field(default=12, metadata={"help": "num encoder attention heads"})
+    encoder_layers: Optional[int] = field(default=None,
+        metadata={"help": "num encoder layers (default: the arch's; 12 for lion_roberta)"})
+    encoder_embed_dim: Optional[int] = field(default=None,
+        metadata={"help": "encoder embedding dimension (default: the arch's; 768 for lion_roberta)"})
+    encoder_ffn_embed_dim: Optional[int] = field(default=None,
+        metadata={"help": "encoder embedding dimension for FFN (default: the arch's; 3072 for lion_roberta)"})
+    encoder_attention_heads: Optional[int] = field(default=None,
+        metadata={"help": "num encoder attention heads (default: the arch's; 12 for lion_roberta)"})
     encoder_normalize_before: bool = field(
         default=False, metadata={"help": "apply layernorm before each encoder block (pre-norm)"})
     layernorm_embedding: bool = field(
@@ -273,7 +277,11 @@ VARIANT_OF_ARCH = {"lion_lit": "lit", "lion_d": "d", "lion_retnet": "d", "lion_s
 
 
 def lion_roberta_base(args: Any) -> None:
-    """Fill every option the command line left unset (None) with the config's default."""
+    """Fill every option the command line (or the arch) left unset (None): sizes and variant of
+    ``lion_s``, everything else the config's default."""
+    for name, value in dict(SIZES[""], lion_variant="s").items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     for f in fields(LionEncoderConfig):
         if f.name.startswith("_"):
             continue

@@ -38,10 +38,14 @@ class LionLMConfig(LionOptions):
         default="gelu", metadata={"help": "activation function of the feed-forward blocks"})
     dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN activation"})
-    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
-    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
-    decoder_layers: int = field(default=6, metadata={"help": "num decoder layers"})
-    decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
+    decoder_embed_dim: Optional[int] = field(default=None,
+        metadata={"help": "decoder embedding dimension (default: the arch's; 512 for lion_lm)"})
+    decoder_ffn_embed_dim: Optional[int] = field(default=None,
+        metadata={"help": "decoder embedding dimension for FFN (default: the arch's; 2048 for lion_lm)"})
+    decoder_layers: Optional[int] = field(default=None,
+        metadata={"help": "num decoder layers (default: the arch's; 6 for lion_lm)"})
+    decoder_attention_heads: Optional[int] = field(default=None,
+        metadata={"help": "num decoder attention heads (default: the arch's; 8 for lion_lm)"})
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})

@@ -18,8 +18,11 @@ DEFAULT_POSITIONS = {"lit": "learned", "d": "none", "s": "none"}
 
 @dataclass
 class LionOptions(FairseqDataclass):
-    lion_variant: LION_VARIANT_CHOICES = field(
-        default="s", metadata={"help": "decay mask: lit (none), d (one learned decay per head), s (selective, per token)"})
+    # None: the arch decides (fairseq-hydra-train merges dataclass defaults before the arch function
+    # runs, so a concrete default here would override `model: {_name: lion_lit_lm_tiny}`)
+    lion_variant: Optional[LION_VARIANT_CHOICES] = field(
+        default=None, metadata={"help": "decay mask: lit (none), d (one learned decay per head), s (selective, "
+                                        "per token); default: the arch's (s for the model names themselves)"})
     lion_form: LION_FORM_CHOICES = field(
         default="chunk", metadata={"help": "how attention is computed; all forms give the same outputs and "
                                            "can be switched on a trained checkpoint with --model-overrides"})
@@ -51,7 +54,7 @@ def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
 def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
     """Keyword arguments of ``LionAttention`` from a model config (dataclass, DictConfig or Namespace);
     raises ValueError naming the option when a value is wrong."""
-    variant = str(getattr(cfg, "lion_variant", "s"))
+    variant = str(getattr(cfg, "lion_variant", None) or "s")
     feature_map = getattr(cfg, "lion_feature_map", None) or DEFAULT_FEATURE_MAP.get(variant, "elu")
     kwargs = dict(variant=variant, form=str(cfg.lion_form), chunk_size=cfg.lion_chunk_size,
                   feature_map=str(feature_map), normalize=bool(cfg.lion_normalize),
@@ -62,5 +65,5 @@ def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
 
 
 def lion_positions(cfg: Any) -> str:
-    variant = str(getattr(cfg, "lion_variant", "s"))
+    variant = str(getattr(cfg, "lion_variant", None) or "s")
     return str(getattr(cfg, "lion_positions", None) or DEFAULT_POSITIONS[variant])
