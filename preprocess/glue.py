@@ -15,7 +15,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from preprocess import vocab
 from preprocess.binarize import binarize

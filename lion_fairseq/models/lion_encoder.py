@@ -7,7 +7,6 @@ attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retne
 ``_large`` / ``_tiny`` sizes of each. The config is a dataclass, so checkpoints reload under torch's
 ``weights_only`` default, and ``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form.
 """
-import argparse
 import contextlib
 import logging
 from dataclasses import dataclass, field, fields
@@ -16,7 +15,6 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 from fairseq import utils
-from fairseq.data import encoders
 from fairseq.dataclass import ChoiceEnum
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import FairseqEncoder, register_model, register_model_architecture
@@ -29,7 +27,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
-from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions
+from .lion_options import LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, lion_positions
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +72,6 @@ class LionEncoderConfig(LionOptions):
     quant_noise_pq_block_size: int = field(default=8, metadata={"help": "block size of that noise"})
     spectral_norm_classification_head: bool = field(
         default=False, metadata={"help": "spectral normalization on the classification head"})
-
-
-def _boolean_optional(parser: Any, option: str) -> None:
-    """fairseq makes a bool field that defaults to True a store_false flag of the same name (so
-    ``--layernorm-embedding`` would turn it off); make it ``--x/--no-x``, default None (arch decides)."""
-    for action in list(parser._actions):
-        if option in action.option_strings:
-            for group in parser._action_groups:
-                if action in group._group_actions:
-                    group._group_actions.remove(action)
-            parser._remove_action(action)
-            for opt in action.option_strings:
-                parser._option_string_actions.pop(opt, None)
-            parser.add_argument(option, dest=action.dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=action.help)
 
 
 class LionSentenceEncoder(FairseqEncoder):
@@ -241,7 +224,7 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
     def add_args(cls, parser) -> None:
         gen_parser_from_dataclass(parser, LionEncoderConfig(), delete_default=True)
         fix_lion_flags(parser)
-        _boolean_optional(parser, "--layernorm-embedding")
+        boolean_optional(parser, "--layernorm-embedding")
 
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionRobertaModel":

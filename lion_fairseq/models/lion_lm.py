@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 import torch.nn as nn
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
-from .lion_encoder import LionSentenceEncoder, _boolean_optional
-from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs
+from .lion_encoder import LionSentenceEncoder
+from .lion_options import LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs
 
 ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
@@ -108,8 +108,8 @@ class LionLRAModel(BaseFairseqModel):
     def add_args(cls, parser) -> None:
         gen_parser_from_dataclass(parser, LionLRAConfig(), delete_default=True)
         fix_lion_flags(parser)
-        _boolean_optional(parser, "--encoder-normalize-before")
-        _boolean_optional(parser, "--layernorm-embedding")
+        boolean_optional(parser, "--encoder-normalize-before")
+        boolean_optional(parser, "--layernorm-embedding")
 
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionLRAModel":

@@ -36,19 +36,25 @@ class LionOptions(FairseqDataclass):
         default=None, metadata={"help": "learned absolute positions or none (default: learned for lit, none for d and s)"})
 
 
-def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
-    """fairseq turns a bool field that defaults to True into a store_false flag of the same name;
-    make it the ``--lion-normalize/--no-lion-normalize`` pair users expect."""
+def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
+    """fairseq turns a bool field that defaults to True into a store_false flag of the same name (so
+    ``--lion-normalize`` would turn normalisation off); make it the ``--x/--no-x`` pair users expect,
+    default None so the arch decides."""
     for action in list(parser._actions):
-        if "--lion-normalize" in action.option_strings:
+        if option in action.option_strings:
             for group in parser._action_groups:
                 if action in group._group_actions:
                     group._group_actions.remove(action)
             parser._remove_action(action)
             for opt in action.option_strings:
                 parser._option_string_actions.pop(opt, None)
-            parser.add_argument("--lion-normalize", dest="lion_normalize", action=argparse.BooleanOptionalAction,
-                                default=None, help=action.help)
+            parser.add_argument(option, dest=action.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=action.help)
+
+
+def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
+    """``--lion-normalize/--no-lion-normalize``."""
+    boolean_optional(parser, "--lion-normalize")
 
 
 def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
