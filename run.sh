@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/env.sh
 case "${1:-}" in
-  demo) shift; exec python -m lion_fairseq.benchmark.operator --small "$@" ;;
+  demo) shift; exec python -m lion_fairseq.demo "$@" ;;
   test) shift; exec python -m pytest -q tests "$@" ;;
   *) echo "usage: bash run.sh {demo|test} [args...]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,129 @@
+"""The demo (the README's main command) end to end at a tiny budget, a second run that reuses the
+workdir, and its refusals; plus the corpus and prompt helpers it is built on."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+FORMS = ("parallel", "chunk", "recurrent")
+# a tiny budget: the time limit is a backstop, the update cap ends each training (10: one point of
+# the training curve, fairseq logs every 10 updates)
+DEMO_ARGS = ["--minutes", "2", "--max-update", "10", "--batch-size", "8"]
+
+
+def demo(workdir: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """``python -m lion_fairseq.demo`` in a subprocess, as the README's command runs it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "lion_fairseq.demo", "--workdir", str(workdir), *args], cwd=ROOT,
+                          env=env, text=True, capture_output=True, timeout=900)
+    if ok:
+        assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def losses(out: str) -> dict:
+    """{(model, form): loss} from the demo's per-form lines, e.g. ``MLM chunk     loss 9.8280``."""
+    found = {}
+    for model, form, value in re.findall(r"^\s+(MLM|LM)\s+(parallel|chunk|recurrent)\s+loss ([0-9.]+)", out, re.M):
+        found[(model, form)] = float(value)
+    return found
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("demo") / "work"
+    return workdir, demo(workdir, *DEMO_ARGS).stdout
+
+
+def test_demo_end_to_end(first_run):
+    workdir, out = first_run
+    # each step ran the fairseq command a user would type
+    for command in ("python -m preprocess.text", "fairseq-train", "fairseq-validate", "fairseq-eval-lm"):
+        assert f"$ {command}" in out, command
+    assert out.count("$ fairseq-train") == 2 and "--tensorboard-logdir" in out
+
+    # validation loss of both models in every form; the forms compute the same function
+    found = losses(out)
+    assert set(found) == {(m, f) for m in ("MLM", "LM") for f in FORMS}, found
+    uniform = float(re.search(r"uniform guess: ([0-9.]+)", out).group(1))
+    for model in ("MLM", "LM"):
+        row = [found[(model, f)] for f in FORMS]
+        assert max(row) - min(row) <= 2e-3, (model, row)
+        assert 1.0 < row[0] < uniform + 4, (model, row)  # 10 updates: a real loss, near the uniform guess
+
+    # the mask filled through the hub interface: the prompt's <mask> replaced, with probabilities
+    results = json.loads((workdir / "results.json").read_text())
+    top = results["fill_mask"]["top"]
+    assert top and all("<mask>" not in t["filled"] and 0.0 < t["prob"] <= 1.0 for t in top)
+    assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+    assert f"fill-mask: {results['fill_mask']['input']}" in out and top[0]["filled"] in out
+
+    # a continuation decoded recurrently: the prompt, then new text
+    prompt, sampled = results["generate"]["prompt"], results["generate"]["sampled"]
+    assert sampled.startswith(prompt) and len(sampled) > len(prompt) + 3 and f"sampled (top-10): {sampled}" in out
+    assert results["generate"]["beam"].startswith(prompt)
+
+    # loss curves: a PNG next to the tensorboard logs, drawn from them
+    png = workdir / "tensorboard" / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    for model in ("mlm", "lm"):
+        assert results[model]["curves_from"] == "tensorboard"
+        assert list((workdir / "tensorboard" / model / "train_inner").glob("events.out.tfevents.*"))
+        assert results[model]["updates"] == 10
+    assert results["mlm"]["valid_loss_bits"]["recurrent"] == found[("MLM", "recurrent")]
+
+
+def test_demo_second_run_reuses_the_workdir(first_run):
+    workdir, out = first_run
+    first = json.loads((workdir / "results.json").read_text())
+    again = demo(workdir, *DEMO_ARGS).stdout
+    assert "$ " not in again, "a second run with the same options ran a command again"
+    assert again.count("reusing") == 3 and again.count("(reused; same checkpoint)") == 6
+    assert losses(again) == losses(out)
+    # the hub steps run again (cheap, in this process) with the same seed: the same text
+    assert "sampled (top-10): " + first["generate"]["sampled"] in again
+
+
+def test_demo_refuses_bad_options_and_foreign_folders(tmp_path, capsys):
+    from lion_fairseq.demo.cli import main
+
+    cases = [
+        (["--corpus", str(tmp_path / "missing.txt")], "--corpus: no such file"),
+        (["--minutes", "0"], "--minutes must be a positive number"),
+        (["--mask-prompt", "no mask here"], "--mask-prompt needs exactly one <mask>"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["--workdir", str(tmp_path / "w"), *args])
+        assert e.value.code == 1
+        assert message in capsys.readouterr().err
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit):
+        main(["--workdir", str(foreign), "--fresh"])
+    assert "was not made by the demo" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_corpus_and_prompts(tmp_path):
+    from lion_fairseq.demo.corpus import PYDOC_LM_PROMPT, PYDOC_MASK_PROMPT, prompts_from_text, pydoc_paragraphs
+
+    lines = pydoc_paragraphs()
+    text = "\n".join(lines)
+    assert len(lines) > 1000 and "" in lines  # topics apart
+    assert not any(re.fullmatch(r"[*=~^-]{3,}", line) for line in lines)  # headings' underlines gone
+    # the default prompts come from the training text, so a few minutes of training have seen them
+    assert PYDOC_MASK_PROMPT.replace("<mask>", "objects") in text and PYDOC_LM_PROMPT in text
+    f = tmp_path / "mine.txt"
+    f.write_text("one two three four five six seven eight nine\nshort line\nalpha beta gamma delta eps zeta eta theta\n")
+    masked, prompt = prompts_from_text([f])
+    assert masked == "alpha beta gamma delta <mask> zeta eta theta"
+    assert prompt == "one two three four"

@@ -1,0 +1,272 @@
+"""Every recipe of user_dir_examples/ run as a user runs it (the bash scripts, the fairseq-hydra-train
+commands of hydra/README.md) at tiny size on a small corpus, so none rots; and the scripts' settings
+(learning rates, warm-up, metrics, refusals) checked against a stand-in fairseq-train."""
+import json
+import math
+import os
+import random
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, USER_DIR, corpus_lines
+
+RECIPES = ROOT / "user_dir_examples"
+TINY_ENCODER = ["model.encoder_layers=2", "model.encoder_embed_dim=128", "model.encoder_ffn_embed_dim=512",
+                "model.encoder_attention_heads=2"]
+HYDRA_CPU = ["common.fp16=false", "common.cpu=true", "dataset.num_workers=0", "common.log_interval=1"]
+
+
+def env(**settings: str) -> dict:
+    """The environment of a recipe: this interpreter's console scripts first on PATH, one thread per
+    process (two cores shared with other tests), and the recipe's settings."""
+    e = dict(os.environ, **settings)
+    e["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), e.get("PATH", "")])
+    e["OMP_NUM_THREADS"] = "1"
+    e.pop("USER_DIR", None)
+    return e
+
+
+def run(argv, ok=True, stdin=None, **settings) -> str:
+    """Run a recipe (``bash script ...`` or a console command) from the checkout root; its stdout+stderr."""
+    proc = subprocess.run([str(a) for a in argv], cwd=ROOT, env=env(**settings), input=stdin, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    if ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, argv))} failed ({proc.returncode}):\n{proc.stdout[-5000:]}")
+    if not ok:
+        assert proc.returncode != 0, f"expected a failure:\n{proc.stdout[-2000:]}"
+    return proc.stdout
+
+
+def records(log: str, tag: str):
+    """fairseq's JSON log records of one kind, from fairseq-train's or fairseq-hydra-train's format."""
+    out = []
+    for line in log.splitlines():
+        if (f"| {tag} |" in line or f"[{tag}][" in line) and "{" in line:
+            out.append(json.loads(line[line.index("{"):]))
+    return out
+
+
+def model_cfg(checkpoint: Path) -> dict:
+    """The saved config, loaded the safe way (it must reload under torch's weights_only default)."""
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["cfg"]
+
+
+@pytest.fixture(scope="module")
+def spm_data(tmp_path_factory) -> Path:
+    """A small sentencepiece corpus made by the project's own preprocess.text (as the MLM recipe says)."""
+    root = tmp_path_factory.mktemp("recipes")
+    (root / "corpus.txt").write_text("\n".join(corpus_lines(1500)) + "\n")
+    run([sys.executable, "-m", "preprocess.text", "--input", root / "corpus.txt", "--destdir", root / "bin",
+         "--vocab-size", "500"])
+    return root / "bin"
+
+
+@pytest.fixture(scope="module")
+def mlm(spm_data, tmp_path_factory):
+    """(checkpoint, output) of mlm/pretrain.sh at tiny size."""
+    save = tmp_path_factory.mktemp("mlm")
+    out = run(["bash", RECIPES / "mlm/pretrain.sh", spm_data, save, "--num-workers", "0"],
+              ARCH="lion_s_tiny", MAX_UPDATE="6", BATCH_SIZE="8", UPDATE_FREQ="1", LOG_INTERVAL="1")
+    return save / "checkpoint_last.pt", out
+
+
+def test_mlm_pretrain_paper_settings(mlm):
+    ckpt, out = mlm
+    command = next(line for line in out.splitlines() if line.startswith("+ fairseq-train"))
+    assert f"--user-dir {USER_DIR}" in command
+    cfg = model_cfg(ckpt)
+    assert cfg["model"]["_name"] == "lion_s_tiny" and cfg["model"]["lion_variant"] == "s"
+    assert cfg["task"]["mask_prob"] == 0.3 and cfg["task"]["tokens_per_sample"] == 128
+    assert cfg["optimizer"]["adam_eps"] == 1e-6 and eval(cfg["optimizer"]["adam_betas"]) == (0.9, 0.98)
+    # linear warm-up to 8e-4, then linear decay to 2% of it at the last update
+    lrs = [float(r["lr"]) for r in records(out, "train_inner")]
+    assert len(lrs) == 6 and max(lrs) == pytest.approx(8e-4) and lrs[-1] == pytest.approx(1.6e-5)
+    assert all(a > b for a, b in zip(lrs[lrs.index(max(lrs)):], lrs[lrs.index(max(lrs)) + 1:]))
+    assert list((ckpt.parent / "tensorboard" / "train_inner").glob("events.out.tfevents.*"))
+
+
+@pytest.fixture(scope="module")
+def glue_data(spm_data, tmp_path_factory) -> Path:
+    """A toy RTE-format task (header, sentence pairs, string labels) prepared by glue/prepare.sh."""
+    root = tmp_path_factory.mktemp("glue")
+    lines = [s for s in corpus_lines(3000) if 6 <= len(s.split()) <= 30]
+    rng = random.Random(0)
+    (root / "RTE").mkdir()
+    for split, n in (("train", 96), ("dev", 32)):
+        rows = ["index\tsentence1\tsentence2\tlabel"]
+        for i in range(n):
+            a = rng.choice(lines)
+            entailed = rng.random() < 0.5  # the second sentence is a prefix of the first, or unrelated
+            b = " ".join(a.split()[:4]) if entailed else rng.choice(lines)
+            rows.append(f"{i}\t{a}\t{b}\t{'entailment' if entailed else 'not_entailment'}")
+        (root / "RTE" / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+    run(["bash", RECIPES / "glue/prepare.sh", "RTE", root / "RTE", spm_data, root / "RTE-bin"])
+    return root / "RTE-bin"
+
+
+def test_glue_prepare_layouts(glue_data, spm_data, tmp_path):
+    manifest = json.loads((glue_data / "preprocess.json").read_text())
+    assert manifest["pair"] and manifest["classes"] == ["entailment", "not_entailment"]
+    assert (glue_data / "input1" / "train.bin").exists() and (glue_data / "label" / "dict.txt").exists()
+    # CoLA: no header, sentence in column 3 and label in column 1 (GLUE's layout)
+    (tmp_path / "CoLA").mkdir()
+    for split in ("train", "dev"):
+        (tmp_path / "CoLA" / f"{split}.tsv").write_text(
+            "".join(f"gj04\t{i % 2}\t\t{s}\n" for i, s in enumerate(corpus_lines(40))))
+    run(["bash", RECIPES / "glue/prepare.sh", "CoLA", tmp_path / "CoLA", spm_data, tmp_path / "CoLA-bin"])
+    cola = json.loads((tmp_path / "CoLA-bin" / "preprocess.json").read_text())
+    assert not cola["pair"] and cola["classes"] == ["0", "1"] and cola["rows"]["train"] == 40
+    out = run(["bash", RECIPES / "glue/prepare.sh", "BoolQ", tmp_path, spm_data, tmp_path / "x"], ok=False)
+    assert "unknown TASK 'BoolQ'" in out
+
+
+def test_glue_finetune_from_pretrained(glue_data, mlm, tmp_path):
+    ckpt, _ = mlm
+    out = run(["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path, "--num-workers", "0"],
+              ARCH="lion_s_tiny", MAX_UPDATE="4", BATCH_SIZE="8", LOG_INTERVAL="1")
+    assert f"Loaded checkpoint {ckpt}" in out
+    valid = records(out, "valid")
+    assert valid and 0.0 <= float(valid[-1]["valid_accuracy"]) <= 100.0
+    tuned = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert tuned["cfg"]["task"]["num_classes"] == 2 and tuned["cfg"]["task"]["init_token"] == 0
+    assert tuned["model"]["classification_heads.sentence_classification_head.out_proj.weight"].shape[0] == 2
+    # the encoder starts from the pretrained weights: 4 updates at lr <= 1e-5 move them by < 1e-3
+    pre = torch.load(ckpt, map_location="cpu", weights_only=True)["model"]
+    name = "encoder.sentence_encoder.layers.0.fc1.weight"
+    assert (tuned["model"][name] - pre[name]).abs().max() < 1e-3
+    assert (pre[name]).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def wiki_data(tmp_path_factory) -> Path:
+    """WikiText-layout files (wiki.{train,valid,test}.tokens) binarised by lm/prepare.sh."""
+    root = tmp_path_factory.mktemp("wiki")
+    lines = corpus_lines(2000)
+    for split, part in (("train", lines[:1800]), ("valid", lines[1800:1900]), ("test", lines[1900:])):
+        (root / f"wiki.{split}.tokens").write_text(" = Python = \n\n" + "\n".join(f" {s} " for s in part) + "\n")
+    run(["bash", RECIPES / "lm/prepare.sh", root, root / "bin"])
+    return root / "bin"
+
+
+def test_lm_train_eval_generate(wiki_data, tmp_path):
+    out = run(["bash", RECIPES / "lm/train.sh", wiki_data, tmp_path, "--num-workers", "0"],
+              ARCH="lion_s_lm_tiny", MAX_UPDATE="5", TOKENS_PER_SAMPLE="64", MAX_TOKENS="512", UPDATE_FREQ="1",
+              WARMUP_UPDATES="2", LOG_INTERVAL="1")
+    assert len(records(out, "train_inner")) == 5
+    ckpt = tmp_path / "checkpoint_last.pt"
+    cfg = model_cfg(ckpt)
+    assert cfg["model"]["_name"] == "lion_s_lm_tiny" and cfg["model"]["share_decoder_input_output_embed"]
+
+    out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt, "--num-workers", "0"],
+              FORM="recurrent", TOKENS_PER_SAMPLE="64", CONTEXT_WINDOW="32")
+    assert "{'lion_form': 'recurrent'}" in out.replace("\\", "")
+    loss = float(re.search(r"Loss \(base 2\): ([0-9.]+)", out).group(1))
+    vocab = sum(1 for _ in open(wiki_data / "dict.txt")) + 4
+    assert 1.0 < loss < math.log2(vocab) + 3  # trained for 5 updates: near, not far above, uniform
+
+    out = run(["bash", RECIPES / "lm/generate.sh", wiki_data, ckpt], stdin="the python language\nif the\n",
+              MAX_LEN="6")
+    hyps = [line.split("\t")[2] for line in out.splitlines() if line.startswith("H-")]
+    assert len(hyps) == 2 and hyps[0].startswith("the python language") and hyps[1].startswith("if the")
+    assert all(len(h.split()) > 3 for h in hyps)
+
+
+def hydra(config_dir: str, name: str, *overrides: str) -> str:
+    return run(["fairseq-hydra-train", "--config-dir", RECIPES / "hydra" / config_dir, "--config-name", name,
+                f"common.user_dir={USER_DIR}", *HYDRA_CPU, *overrides])
+
+
+def test_hydra_pretrain_then_finetune(spm_data, glue_data, tmp_path):
+    out = hydra("pretraining", "base", f"task.data={spm_data}", f"checkpoint.save_dir={tmp_path / 'mlm'}",
+                "model.lion_variant=d", *TINY_ENCODER, "optimization.max_update=3", "lr_scheduler.total_num_update=3",
+                "lr_scheduler.warmup_updates=1", "dataset.batch_size=8", "optimization.update_freq=[1]")
+    assert len(records(out, "train_inner")) == 3
+    cfg = model_cfg(tmp_path / "mlm" / "checkpoint_last.pt")
+    assert cfg["model"]["_name"] == "lion_roberta" and cfg["model"]["lion_variant"] == "d"
+    assert cfg["model"]["encoder_layers"] == 2 and cfg["task"]["mask_prob"] == 0.3
+    assert cfg["optimization"]["lr"] == [0.0008] and cfg["lr_scheduler"]["end_learning_rate"] == 1.6e-5
+
+    out = hydra("finetuning", "glue", f"task.data={glue_data}", "task.num_classes=2",
+                f"checkpoint.restore_file={tmp_path / 'mlm' / 'checkpoint_last.pt'}",
+                f"checkpoint.save_dir={tmp_path / 'ft'}", "model.lion_variant=d", *TINY_ENCODER,
+                "optimization.max_update=3", "lr_scheduler.warmup_updates=1", "dataset.batch_size=8")
+    assert f"Loaded checkpoint {tmp_path / 'mlm' / 'checkpoint_last.pt'}" in out
+    assert records(out, "valid") and "valid_accuracy" in records(out, "valid")[-1]
+
+
+def test_hydra_lm(wiki_data, tmp_path):
+    out = hydra("lm", "wiki103", f"task.data={wiki_data}", f"checkpoint.save_dir={tmp_path}",
+                "model.decoder_layers=2", "model.decoder_embed_dim=128", "model.decoder_ffn_embed_dim=512",
+                "model.decoder_attention_heads=2", "task.tokens_per_sample=64", "dataset.max_tokens=512",
+                "optimization.update_freq=[1]", "optimization.max_update=3", "lr_scheduler.warmup_updates=1")
+    assert len(records(out, "train_inner")) == 3
+    cfg = model_cfg(tmp_path / "checkpoint_last.pt")
+    assert cfg["model"]["_name"] == "lion_lm" and cfg["model"]["decoder_layers"] == 2
+    assert cfg["task"]["tokens_per_sample"] == 64
+
+
+# ---- the scripts' own logic, against a stand-in fairseq-train that prints its arguments ----------------
+
+@pytest.fixture
+def stub_bin(tmp_path) -> Path:
+    """A folder with a fake fairseq-train, one argument a line, put first on PATH by ``run_stub``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "fairseq-train"
+    fake.write_text("#!/usr/bin/env bash\nprintf 'ARG %s\\n' \"$@\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def run_stub(stub_bin: Path, argv, ok=True, **settings) -> list:
+    e = env(**settings)
+    e["PATH"] = os.pathsep.join([str(stub_bin), e["PATH"]])
+    proc = subprocess.run([str(a) for a in argv], cwd=ROOT, env=e, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=60)
+    assert (proc.returncode == 0) == ok, proc.stdout
+    return proc.stdout if not ok else [line[4:] for line in proc.stdout.splitlines() if line.startswith("ARG ")]
+
+
+def option(args: list, name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_pretrain_defaults_base_and_large(stub_bin, spm_data, tmp_path):
+    args = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", spm_data, tmp_path], PRECISION="fp32")
+    assert option(args, "--lr") == "8e-4" and option(args, "--end-learning-rate") == "1.6e-05"
+    assert option(args, "--max-update") == "70000" and option(args, "--warmup-updates") == "4200"
+    assert int(option(args, "--batch-size")) * int(option(args, "--update-freq")) == 4096
+    assert option(args, "--mask-prob") == "0.3" and "--fp16" not in args
+    args = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", spm_data, tmp_path, "--lr", "1e-3"],
+                    ARCH="lion_d_large", PRECISION="fp16")
+    assert option(args, "--arch") == "lion_d_large" and option(args, "--lr") == "2e-4"
+    assert option(args, "--end-learning-rate") == "4e-06" and "--fp16" in args
+    assert args[-2:] == ["--lr", "1e-3"]  # extra options come last, so they win
+    out = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", spm_data, tmp_path], ok=False, PRECISION="bf16")
+    assert "fairseq-train --bf16" in out and "common.bf16=true" in out
+    out = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", tmp_path, tmp_path], ok=False)
+    assert "has no dict.txt" in out
+
+
+def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, tmp_path):
+    ckpt, _ = mlm
+    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], PRECISION="fp32")
+    # 96 training rows, batches of 32, 10 epochs -> 30 updates, 6% warm-up -> 1
+    assert option(args, "--max-update") == "30" and option(args, "--total-num-update") == "30"
+    assert option(args, "--warmup-updates") == "1" and option(args, "--num-classes") == "2"
+    assert option(args, "--best-checkpoint-metric") == "accuracy" and option(args, "--restore-file") == str(ckpt)
+    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK="CoLA",
+                    PRECISION="fp32")
+    assert "--report-mcc" in args and option(args, "--best-checkpoint-metric") == "mcc"
+    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK="MRPC",
+                    PRECISION="fp32")
+    assert option(args, "--best-checkpoint-metric") == "acc_and_f1"
+    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, tmp_path / "none.pt", tmp_path],
+                   ok=False)
+    assert "PRETRAINED_CHECKPOINT" in out and "not found" in out

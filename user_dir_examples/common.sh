@@ -1,0 +1,39 @@
+# Sourced by the recipes. Sets USER_DIR (the folder to pass as --user-dir) and defines helpers.
+# USER_DIR: this checkout's lion_fairseq/, else the pip-installed package's folder, else set it yourself.
+RECIPES_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${USER_DIR:-}" ]; then
+  if [ -f "$RECIPES_ROOT/lion_fairseq/__init__.py" ]; then
+    USER_DIR="$RECIPES_ROOT/lion_fairseq"
+  elif command -v lion-fairseq-user-dir >/dev/null 2>&1; then
+    USER_DIR="$(lion-fairseq-user-dir)"
+  else
+    echo "error: lion_fairseq not found: set USER_DIR=/path/to/lion_fairseq or pip install lion-fairseq" >&2
+    exit 1
+  fi
+fi
+
+die() { echo "error: $*" >&2; exit 2; }
+
+# Print a command (shell-quoted, so it can be pasted) and run it.
+run() { printf '+' >&2; printf ' %q' "$@" >&2; printf '\n' >&2; "$@"; }
+
+need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found: activate the environment (source .venv/bin/activate)"; }
+
+# PRECISION=fp16|fp32 (default: fp16 when nvidia-smi sees a GPU, else fp32) -> fairseq-train flags.
+precision_flags() {
+  local p="${PRECISION:-}"
+  if [ -z "$p" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then p=fp16; else p=fp32; fi
+  fi
+  case "$p" in
+    fp16) echo "--fp16" ;;
+    fp32) echo "" ;;
+    bf16) die "PRECISION=bf16: fairseq-train --bf16 takes a TPU code path and crashes in fairseq 0.12; use the hydra recipe (common.bf16=true) or PRECISION=fp16" ;;
+    *) die "PRECISION must be fp16, fp32 (or bf16 through the hydra recipe), got '$p'" ;;
+  esac
+}
+
+# 6% of $1, at least 1 when $1 > 0 (the paper's linear warm-up share).
+six_percent() { local w=$(( $1 * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$1" -gt 0 ]; then w=1; fi; echo "$w"; }
+
+is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }
