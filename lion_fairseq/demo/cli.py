@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 from lion_fairseq.demo import corpus as corpus_mod
 from lion_fairseq.demo import decode, evaluate, plot
 from lion_fairseq.demo.commands import REPO_ROOT, DemoError, python_module, quiet_logs, remove_tree, run, shown
-from lion_fairseq.demo.train import LM, MLM, Model, Progress, train_command
+from lion_fairseq.demo.train import CHECKPOINT, LM, MLM, Model, Progress, train_command
 from lion_fairseq.demo.workdir import MARKER, Workdir, fingerprint
 
 STEPS = 6
@@ -151,7 +151,7 @@ class Demo:
         argv = train_command(model, self.data, self.user_dir, save_dir, tb, self.args.minutes,
                              self.args.max_update, self.args.batch_size, self.args.seed)
         key = fingerprint(model.name, data_key, argv)
-        checkpoint = save_dir / "checkpoint_last.pt"
+        checkpoint = save_dir / CHECKPOINT
         record = self.work.done(model.name, key, checkpoint)
         if record:
             print(f"  reusing {shown([str(checkpoint)])} ({record['updates']} updates; --fresh to retrain)")
@@ -165,16 +165,17 @@ class Demo:
                              what=f"training the {model.title}")
             if not checkpoint.exists():
                 raise DemoError(f"fairseq-train finished without writing {checkpoint}")
-            record = {"updates": progress.updates, "seconds": round(seconds, 1)}
-            print(f"  trained {record['updates']} updates in {record['seconds']:.0f}s -> {shown([str(checkpoint)])}")
+            record = {"updates": progress.updates, "seconds": round(seconds, 1), "best_valid_loss": progress.best}
+            print(f"  trained {record['updates']} updates in {record['seconds']:.0f}s; best validation loss "
+                  f"{progress.best if progress.best is not None else float('nan'):.3f} -> {shown([str(checkpoint)])}")
             self.work.record(model.name, key, **record)
         self.results[model.name] = {"arch": model.arch, "checkpoint": str(checkpoint), "updates": record["updates"]}
         return key
 
     # -- 5: evaluation in each form ---------------------------------------------------------------
     def evaluate(self, model: Model, train_key: str) -> Dict[str, float]:
-        """Validation loss (bits per token) of ``model``'s last checkpoint in each form: ``{form: loss}``."""
-        checkpoint = self.work.root / model.name / "checkpoint_last.pt"
+        """Validation loss (bits per token) of ``model``'s best checkpoint in each form: ``{form: loss}``."""
+        checkpoint = self.work.root / model.name / CHECKPOINT
         losses = {}
         for form in evaluate.FORMS:
             argv = evaluate.eval_command(model, self.data, self.user_dir, checkpoint, form, self.args.batch_size)
@@ -201,13 +202,13 @@ class Demo:
     def use(self) -> None:
         """Fill the mask and generate text through the hub interfaces, in this process."""
         step(6, "using the models from Python (hub interface, recurrent form)")
-        mlm_ckpt = self.work.root / "mlm" / "checkpoint_last.pt"
-        lm_ckpt = self.work.root / "lm" / "checkpoint_last.pt"
+        mlm_ckpt = self.work.root / "mlm" / CHECKPOINT
+        lm_ckpt = self.work.root / "lm" / CHECKPOINT
         print(f"  fill-mask: {self.mask_prompt}")
         with quiet_logs():
             filled = decode.fill_mask(mlm_ckpt, self.data, self.mask_prompt)
         for sentence, prob, token in filled:
-            print(f"    {prob:6.3f}  {token.strip()!r:14}  {sentence}")
+            print(f"    {prob:6.3f}  {token!r:14}  {sentence}")
         self.results["fill_mask"] = {"input": self.mask_prompt,
                                      "top": [{"token": t, "prob": p, "filled": s} for s, p, t in filled]}
         layers, heads, floats = decode.state_floats(lm_ckpt)
@@ -236,8 +237,8 @@ class Demo:
 def summary(demo: Demo, losses: Dict[str, Dict[str, float]], png: Path, seconds: float) -> None:
     """The closing lines: the loss table, the filled mask, the generated text and where things are."""
     print("\n== results ==")
-    print(f"validation loss, bits per token (uniform guess: {demo.uniform_bits:.2f}); the forms compute "
-          "the same function, so each row should agree to round-off:")
+    print(f"validation loss of the best checkpoints, bits per token (uniform guess: {demo.uniform_bits:.2f}); "
+          "the forms compute the same function, so each row should agree to round-off:")
     print(f"  {'model':28} " + " ".join(f"{f:>10}" for f in evaluate.FORMS))
     for model in (MLM, LM):
         row = losses[model.name]
