@@ -36,6 +36,17 @@ def fairseq_cli(module: str, *args: str, cwd=None, timeout=900) -> subprocess.Co
     return proc
 
 
+@pytest.fixture
+def one_thread():
+    """In-process torch work on one thread, restored afterwards for other test files."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def text_data_bin(tmp_path_factory) -> Path:
     """A binarised word-level corpus (train/valid/test) in fairseq's layout, with dict.txt."""

@@ -31,13 +31,8 @@ def fairseq_cli(module, *args, stdin=None):
     return proc
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The in-process parts on one thread too (see fairseq_cli); restored for other test files."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# fairseq-train on one thread: on a busy 2-core machine a second thread makes it several times slower
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(data, save_dir, max_update):

@@ -36,12 +36,8 @@ TASKS = {  # one LM (LION-S, causal) and one MLM (LION-D, bidirectional)
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# fairseq-train on one thread: on a busy 2-core machine a second thread makes it several times slower
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def start(data: Path, args: List[str], log: Path, module: str = "train") -> subprocess.Popen:

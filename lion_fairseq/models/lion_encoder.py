@@ -9,7 +9,7 @@ attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retne
 """
 import contextlib
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
-from .lion_options import LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, lion_positions
+from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, lion_positions,
+                           set_unset, set_unset_from)
 
 logger = logging.getLogger(__name__)
 
@@ -262,21 +263,13 @@ VARIANT_OF_ARCH = {"lion_lit": "lit", "lion_d": "d", "lion_retnet": "d", "lion_s
 def lion_roberta_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes and variant of
     ``lion_s``, everything else the config's default."""
-    for name, value in dict(SIZES[""], lion_variant="s").items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    for f in fields(LionEncoderConfig):
-        if f.name.startswith("_"):
-            continue
-        if getattr(args, f.name, None) is None:
-            setattr(args, f.name, f.default)
+    set_unset(args, dict(SIZES[""], lion_variant="s"))
+    set_unset_from(args, LionEncoderConfig)
 
 
 def _make_arch(variant: str, size: Dict[str, int]):
     def arch(args: Any) -> None:
-        for name, value in dict(size, lion_variant=variant).items():
-            if getattr(args, name, None) is None:
-                setattr(args, name, value)
+        set_unset(args, dict(size, lion_variant=variant))
         lion_roberta_base(args)
     return arch
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
-from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions
+from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset
 
 # Without learned positions nothing bounds the context: report a length no data set reaches, so fairseq
 # neither truncates nor filters sequences (eval-lm, generation) for nothing.
@@ -182,41 +182,35 @@ class LionLanguageModel(ClearLoadErrors, FairseqLanguageModel):
             raise ValueError(f"lion_lm: {e}") from None
 
 
-def _default(args: Any, name: str, value: Any) -> None:
-    """Set ``args.name`` unless the user gave it (absent or None means not given)."""
-    if getattr(args, name, None) is None:
-        setattr(args, name, value)
-
-
 def lion_lm_base(args: Any) -> None:
     """Defaults of every field (transformer_lm size, LION-S); the named archs set theirs first. (``--arch
     lion_lm`` is fairseq's own no-op arch of the dataclass, whose defaults are these.)"""
-    _default(args, "lion_variant", "s")
-    _default(args, "lion_form", "chunk")
-    _default(args, "lion_chunk_size", 64)
-    _default(args, "lion_normalize", True)
-    _default(args, "lion_norm_after", False)
-    _default(args, "activation_fn", "gelu")
-    _default(args, "dropout", 0.1)
-    _default(args, "activation_dropout", 0.0)
-    _default(args, "decoder_embed_dim", 512)
-    _default(args, "decoder_ffn_embed_dim", 2048)
-    _default(args, "decoder_layers", 6)
-    _default(args, "decoder_attention_heads", 8)
-    _default(args, "share_decoder_input_output_embed", False)
-    _default(args, "no_scale_embedding", False)
+    set_unset(args, dict(
+        lion_variant="s",
+        lion_form="chunk",
+        lion_chunk_size=64,
+        lion_normalize=True,
+        lion_norm_after=False,
+        activation_fn="gelu",
+        dropout=0.1,
+        activation_dropout=0.0,
+        decoder_embed_dim=512,
+        decoder_ffn_embed_dim=2048,
+        decoder_layers=6,
+        decoder_attention_heads=8,
+        share_decoder_input_output_embed=False,
+        no_scale_embedding=False,
+    ))
 
 
 def _size(args: Any, layers: int, dim: int, heads: int, ffn: int) -> None:
-    _default(args, "decoder_layers", layers)
-    _default(args, "decoder_embed_dim", dim)
-    _default(args, "decoder_attention_heads", heads)
-    _default(args, "decoder_ffn_embed_dim", ffn)
+    set_unset(args, dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_attention_heads=heads,
+                         decoder_ffn_embed_dim=ffn))
 
 
 def _arch(name: str, variant: str, tiny: bool) -> None:
     def arch(args: Any) -> None:
-        _default(args, "lion_variant", variant)
+        set_unset(args, dict(lion_variant=variant))
         if tiny:
             _size(args, 2, 128, 2, 512)
         else:

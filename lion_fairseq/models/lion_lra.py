@@ -18,7 +18,7 @@ Nystromformer/Skyformer studies, and ``lion_{lit,d,s}_lra_tiny`` is for tests. T
 under torch's ``weights_only`` default and ``--model-overrides "{'lion_form': 'recurrent'}"`` works.
 """
 import contextlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
@@ -33,7 +33,8 @@ from torch import Tensor
 from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder
-from .lion_options import LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs
+from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, set_unset,
+                           set_unset_from)
 
 ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
@@ -173,19 +174,13 @@ DEFAULT_SIZE = dict(SIZES["retrieval"], lion_variant="s")  # 4 x 128: the model 
 def lion_lra_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes and variant of
     ``DEFAULT_SIZE``, everything else the config's default."""
-    for name, value in DEFAULT_SIZE.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    for f in fields(LionLRAConfig):
-        if not f.name.startswith("_") and getattr(args, f.name, None) is None:
-            setattr(args, f.name, f.default)
+    set_unset(args, DEFAULT_SIZE)
+    set_unset_from(args, LionLRAConfig)
 
 
 def _make_arch(variant: str, size: Dict[str, Any]):
     def arch(args: Any) -> None:
-        for name, value in dict(size, lion_variant=variant).items():
-            if getattr(args, name, None) is None:
-                setattr(args, name, value)
+        set_unset(args, dict(size, lion_variant=variant))
         lion_lra_base(args)
     return arch
 

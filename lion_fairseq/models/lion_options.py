@@ -1,6 +1,6 @@
 """The LION options shared by every arch (``--lion-*``), as a fairseq dataclass."""
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -55,6 +55,19 @@ def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
 def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
     """``--lion-normalize/--no-lion-normalize``."""
     boolean_optional(parser, "--lion-normalize")
+
+
+def set_unset(args: Any, values: Dict[str, Any]) -> None:
+    """Give each option the command line (or a more specific arch) left unset (absent or None) its value:
+    the arch functions' rule, so that what a user typed always wins."""
+    for name, value in values.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def set_unset_from(args: Any, config_cls: type) -> None:
+    """``set_unset`` with every field default of a dataclass config."""
+    set_unset(args, {f.name: f.default for f in fields(config_cls) if not f.name.startswith("_")})
 
 
 def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
