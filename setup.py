@@ -15,7 +15,7 @@ setup(
     extras_require={
         "fla": ["flash-linear-attention"],
         "demo": ["tensorboard", "matplotlib"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "hypothesis"],
     },
     entry_points={"console_scripts": ["lion-fairseq-user-dir = lion_fairseq.user_dir:main"]},
 )
