@@ -10,7 +10,7 @@ attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retne
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -73,6 +73,16 @@ class LionEncoderConfig(LionOptions):
     quant_noise_pq_block_size: int = field(default=8, metadata={"help": "block size of that noise"})
     spectral_norm_classification_head: bool = field(
         default=False, metadata={"help": "spectral normalization on the classification head"})
+
+
+def complete_encoder_config(cfg: Any, task, fill_defaults: Callable[[Any], None]) -> None:
+    """At build time: the arch's defaults for what is unset, learned positions as many as the task's
+    sequences, and a bad ``--lion-*`` option stopped here, with its name. Edits ``cfg`` in place."""
+    with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
+        fill_defaults(cfg)
+        if cfg.max_positions is None:
+            cfg.max_positions = task.max_positions()
+    lion_attention_kwargs(cfg)
 
 
 class LionSentenceEncoder(FairseqEncoder):
@@ -229,11 +239,7 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
 
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionRobertaModel":
-        with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
-            lion_roberta_base(cfg)
-            if cfg.max_positions is None:
-                cfg.max_positions = task.max_positions()
-        lion_attention_kwargs(cfg)  # a bad --lion-* option stops here, with its name
+        complete_encoder_config(cfg, task, lion_roberta_base)
         return cls(cfg, LionRobertaEncoder(cfg, task.source_dictionary))
 
     @classmethod

@@ -17,7 +17,6 @@ like for like; ``lion_{lit,d,s}_lra_small`` is the smaller 2-layer, 64-dim LRA s
 Nystromformer/Skyformer studies, and ``lion_{lit,d,s}_lra_tiny`` is for tests. The config is a dataclass: checkpoints reload
 under torch's ``weights_only`` default and ``--model-overrides "{'lion_form': 'recurrent'}"`` works.
 """
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -27,12 +26,11 @@ from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
-from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
 from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
-from .lion_encoder import LionSentenceEncoder
+from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, set_unset,
                            set_unset_from)
 
@@ -114,11 +112,7 @@ class LionLRAModel(BaseFairseqModel):
 
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionLRAModel":
-        with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
-            lion_lra_base(cfg)
-            if cfg.max_positions is None:
-                cfg.max_positions = task.max_positions()
-        lion_attention_kwargs(cfg)  # a bad --lion-* option stops here, with its name
+        complete_encoder_config(cfg, task, lion_lra_base)
         return cls(cfg, task)
 
     def encode(self, tokens: Tensor) -> Tensor:
