@@ -13,7 +13,9 @@ setup(
     # named here, so installing this package never replaces them. See README "Install".
     install_requires=["numpy", "sentencepiece"],
     extras_require={
-        "fla": ["flash-linear-attention"],
+        # flash-linear-attention's kernels alone: `flash-linear-attention` adds its models and transformers,
+        # and fla-core[cuda] would name torch; Triton comes with the CUDA builds of torch
+        "fla": ["fla-core>=0.6.0"],
         "demo": ["tensorboard", "matplotlib"],
         "test": ["pytest", "pytest-xdist", "hypothesis"],
     },

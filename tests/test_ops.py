@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lion_fairseq.ops import FORMS, causal_state, lion_attention, lion_step
+from lion_fairseq.ops import chunk as chunk_module
 from reference import fast_reference_attention, reference_attention
 
 C = 8  # chunk size of these tests: small, so that L crosses several chunk borders
@@ -60,6 +61,31 @@ def test_forms_equal_reference_with_gradients(L, gates, causal, normalize):
             assert g is not None, (form, name)
             # an absolute floor: with L = 1 and normalisation, dy/dq is eps-sized and pure round-off
             assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, (form, name)
+
+
+@pytest.mark.parametrize("steep", [False, True])
+@pytest.mark.parametrize("block_tokens", [C, 2 * C])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunk_form_across_blocks_and_steep_chunks(monkeypatch, steep, block_tokens, causal):
+    """Several blocks of chunks (states carried between blocks, both ways), and chunks whose decay is too
+    steep for the factored within-chunk decays (log-gates of -30: a span of 240 over 8 tokens), so that
+    the exact path runs, in some chunks of a sequence and not in others."""
+    monkeypatch.setattr(chunk_module, "BLOCK_TOKENS", block_tokens)
+    L = 5 * C + 3
+    inputs = make_inputs(L, "token", seed=3)
+    if steep:
+        for gate in inputs[3:]:
+            gate[..., 2 * C:3 * C] = -30.0
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(2))
+    ref_fn = lambda *x: reference_attention(*x, causal=causal)  # noqa: E731
+    ref_inputs = [x.double() for x in inputs]
+    ref, ref_grads = ref_fn(*ref_inputs), grads(ref_fn, ref_inputs, weight)
+    fn = lambda *x: lion_attention(*x, form="chunk", causal=causal, chunk_size=C)  # noqa: E731
+    assert rel_err(fn(*inputs), ref) < 1e-4
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight), ref_grads):
+        if causal and name == "log_a_bwd":
+            continue
+        assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, name
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from .chunk import chunk_attention
+from .fla import fla_attention, fla_available
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
 
@@ -42,12 +43,15 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             gate per head); ``None`` means gate 1. ``M_ij = f_{j+1}...f_i`` for ``i > j``, ``M_ii = 1``,
             ``M_ij = b_i...b_{j-1}`` for ``i < j`` (0 when ``causal``; ``log_a_bwd`` is then ignored).
         form: ``"parallel"`` (L x L matrix), ``"chunk"`` (chunkwise state passing) or ``"recurrent"``
-            (two RNN scans); all three compute the same function.
+            (two RNN scans); all three compute the same function. On CUDA, ``"chunk"`` runs
+            flash-linear-attention's Triton kernels when they are installed (``pip install fla-core``),
+            taking bf16/fp16 inputs as they are; ``LION_FLA=0`` in the environment turns that off.
         normalize: divide each row by ``sum_j A_ij + eps``.
         key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
         chunk_size: tokens per chunk of the chunk form.
     Returns:
-        ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs).
+        ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs), on fla with
+        float32 accumulation.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
@@ -66,7 +70,10 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
 
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     out_dtype = v.dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    use_fla = form == "chunk" and fla_available(v)
+    # fla's kernels take 16-bit inputs as they are (float32 inside); the PyTorch forms compute in float32
+    work = v.dtype if use_fla and q.dtype == k.dtype == v.dtype else dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
     if key_padding_mask is not None:
         pad = key_padding_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
@@ -82,10 +89,12 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         b = _gate(log_a_bwd, "log_a_bwd", B, H, L, dtype)
         f = f.expand(B, H, L).contiguous() if f is not None else None
         b = b.expand(B, H, L).contiguous() if b is not None else None
+        if form == "chunk" and not use_fla:  # normalises block by block itself
+            return chunk_attention(q, k, v, f, b, causal, chunk_size, normalize, eps).to(out_dtype)
         if normalize:  # the normaliser rides along as a column of ones in v
             v = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
-        if form == "chunk":
-            out = chunk_attention(q, k, v, f, b, causal, chunk_size)
+        if use_fla:
+            out = fla_attention(q, k, v, f, b, causal)
         else:
             out = recurrent_attention(q, k, v, f, b, causal)
         num, den = (out[..., :-1], out[..., -1]) if normalize else (out, None)

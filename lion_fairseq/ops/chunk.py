@@ -1,145 +1,273 @@
 """The chunkwise form: exact attention inside chunks of C tokens, ``Dk x Dv`` states carried between them,
-one scan per direction. O(L*C*D + L*D^2) time, O(L*C + L*D^2/C) extra memory, no L x L tensor.
+one scan per direction. O(L*C*D + L*D^2) time, O(L*D) memory: no L x L tensor, and nothing of size
+L x C either, since the chunks are processed a block of tokens at a time.
 
-Both directions are written as one masked product ``o = ((q k^T) * W) v`` with
+Both directions are written as one masked product ``o = ((q k^T) * W) v`` inside a chunk, with
 ``W = W_fwd + W_bwd^T``: ``W_fwd`` the lower triangle (diagonal included) of the forward decays and
-``W_bwd`` the strict lower triangle of the backward decays on shifted gates. The backward pass is written
-out (not traced through the loop over chunks): it reuses the decays of the forward pass and costs about
-three forward passes."""
-from typing import NamedTuple, Optional
+``W_bwd`` the strict lower triangle of the backward decays on shifted gates. Between chunks, each
+direction carries its state across the blocks: left to right for the forward direction, right to left
+for the backward one. The backward pass is written out (not traced through the loops): it recomputes
+each block's decays rather than storing them, so training stores only the inputs."""
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Tokens per block: the block's C x C decays and scores (H * BLOCK * C floats) stay in the CPU's cache,
+# where a whole-sequence tensor of them would be paged in from memory afresh on every call.
+BLOCK_TOKENS = 1024
+
 
 class Decay(NamedTuple):
-    """One direction's decays on the chunk grid, for ``M_ij = exp(cum_i - cum_j)`` (i >= j), with ``c``
-    the within-chunk inclusive cumulative log-gate; every exponent is a partial sum of log-gates <= 0."""
-    intra: Tensor             # (B, H, N, C, C) M_ij inside a chunk, 0 above (and on) the diagonal as asked
-    from_start: Optional[Tensor]  # (B, H, N, C) exp(c_i): decay from the chunk's start to i
-    to_end: Optional[Tensor]      # (B, H, N, C) exp(c_last - c_j): decay from j to the chunk's end
-    whole: Optional[Tensor]       # (B, H, N) exp(c_last): decay across the chunk
+    """One direction's decays on the chunk grid for ``M_ij = exp(c_i - c_j)`` (i >= j), with ``c`` the
+    within-chunk inclusive cumulative log-gate (float64, so ``c_i - c_j`` is exact near the diagonal);
+    every exponent is a partial sum of log-gates, so <= 0."""
+    cum: Tensor         # (N, B, H, C) float64 c
+    from_start: Tensor  # (N, B, H, C) exp(c_i): decay from the chunk's start to i
+    to_end: Tensor      # (N, B, H, C) exp(c_last - c_j): decay from j to the chunk's end
+    whole: Tensor       # (N, B, H) exp(c_last): decay across the chunk
 
 
-def make_decay(log_a: Optional[Tensor], N: int, C: int, strict: bool, dtype: torch.dtype,
-               device: torch.device) -> Decay:
-    """log_a: ``(B, H, N*C)`` or None (gates 1)."""
-    tri = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+def make_decay(log_a: Optional[Tensor], N: int, C: int, dtype: torch.dtype) -> Optional[Decay]:
+    """log_a: ``(B, H, N*C)`` or None (gates 1, no decay)."""
     if log_a is None:
-        return Decay(tri.to(dtype), None, None, None)
+        return None
     B, H, _ = log_a.shape
-    # float64 inside a chunk keeps c_i - c_j exact near the diagonal whatever the gates' scale
-    c = log_a.view(B, H, N, C).double().cumsum(-1)
-    intra = (c[..., :, None] - c[..., None, :]).masked_fill_(~tri, float("-inf")).to(dtype).exp_()
-    return Decay(intra, c.to(dtype).exp(), (c[..., -1:] - c).to(dtype).exp(), c[..., -1].to(dtype).exp())
+    c = log_a.view(B, H, N, C).permute(2, 0, 1, 3).double().cumsum(-1)
+    return Decay(c, c.to(dtype).exp(), (c[..., -1:] - c).to(dtype).exp(), c[..., -1].to(dtype).exp())
+
+
+# the largest |c - r| whose exp is finite in the dtype, with a margin
+_FACTOR_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def intra_decay(d: Optional[Decay], n0: int, n1: int, tri: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(n1-n0, B, H, C, C)`` decays inside chunks n0..n1-1, zero outside the triangle ``tri``."""
+    if d is None:
+        return tri.to(dtype)
+    c = d.cum[n0:n1]
+    # exp(c_i - c_j) = exp(c_i - r) exp(r - c_j) with r the chunk's midpoint: an outer product of two
+    # factors, each exp'd in float64 and rounded once (so within a few ulps of the exact decay), instead
+    # of C x C float64 differences and exps. The factors must not overflow; a block with a steeper chunk
+    # takes the differences.
+    r = (c[..., :1] + c[..., -1:]) / 2
+    if float((c[..., 0] - c[..., -1]).max()) <= 2 * _FACTOR_LIMIT[dtype]:
+        return ((c - r).exp().to(dtype)[..., :, None] * (r - c).exp().to(dtype)[..., None, :]).masked_fill_(~tri, 0.0)
+    return (c[..., :, None] - c[..., None, :]).masked_fill_(~tri, float("-inf")).to(dtype).exp_()
 
 
 def _scale(x: Tensor, s: Optional[Tensor]) -> Tensor:
     return x * s[..., None] if s is not None else x
 
 
-def _scan_chunks(U: Tensor, whole: Optional[Tensor], reverse: bool) -> Tensor:
-    """Exclusive scan over chunks: ``out_n = sum_{m before n} (decays of the chunks between) U_m``.
+def inter_block(x: Tensor, y: Tensor, z: Tensor, d: Optional[Decay], n0: int, n1: int, carry: Tensor,
+                reverse: bool) -> Tuple[Tensor, Tensor]:
+    """The between-chunk part for chunks n0..n1-1: ``o_i = sum_{j in earlier chunks} M_ij (x_i . y_j) z_j``
+    (later chunks when ``reverse``), through the states entering each chunk.
 
-    U: ``(B, H, N, Dk, Dv)``, updated in place into the inclusive scan; one fused op per chunk, since a
-    Python-level op per chunk is what this form pays for its O(L) memory."""
-    N = U.shape[2]
-    order = range(N - 2, -1, -1) if reverse else range(1, N)
-    step = 1 if reverse else -1
-    for n in order:  # U_n += (decay across chunk n) * U_{n -/+ 1}
-        if whole is None:
-            U[:, :, n].add_(U[:, :, n + step])
-        else:
-            U[:, :, n].addcmul_(U[:, :, n + step], whole[:, :, n, None, None])
-    out = torch.zeros_like(U)
-    if reverse:
-        out[:, :, :-1] = U[:, :, 1:]
+    x, y: ``(n, B, H, C, Dk)``; z: ``(n, B, H, C, Dv)``; carry: ``(B, H, Dk, Dv)`` the state entering
+    the block from before it (after it when ``reverse``). Returns the block's ``(n, B, H, C, Dv)`` and the
+    state leaving it."""
+    s = slice(n0, n1)
+    if d is None:
+        own, read, whole = y, x, None
+    elif reverse:
+        own, read, whole = _scale(y, d.from_start[s]), _scale(x, d.to_end[s]), d.whole[s]
     else:
-        out[:, :, 1:] = U[:, :, :-1]
-    return out
+        own, read, whole = _scale(y, d.to_end[s]), _scale(x, d.from_start[s]), d.whole[s]
+    n = n1 - n0
+    # E_m: the state entering chunk m; E has one more slot for the state leaving the block
+    E = carry.new_empty((n + 1,) + carry.shape)
+    # each chunk's own contribution U_m, written straight into the slot after it
+    if reverse:
+        E[n] = carry
+        torch.matmul(own.transpose(-1, -2), z, out=E[:n])
+        steps = [(m, m, m + 1) for m in range(n - 1, -1, -1)]
+    else:
+        E[0] = carry
+        torch.matmul(own.transpose(-1, -2), z, out=E[1:])
+        steps = [(m, m + 1, m) for m in range(n)]
+    # one fused in-place op per chunk m: (state past m) = U_m + (decay across m) * (state before m)
+    for m, past, before in steps:
+        if whole is None:
+            E[past].add_(E[before])
+        else:
+            E[past].addcmul_(E[before], whole[m, :, :, None, None])
+    if reverse:
+        entering, leaving = E[1:], E[0]
+    else:
+        entering, leaving = E[:n], E[n]
+    return read @ entering, leaving.clone()
 
 
-def inter_causal(x: Tensor, y: Tensor, z: Tensor, d: Decay) -> Tensor:
-    """``o_i = sum_{j in earlier chunks} M_ij (x_i . y_j) z_j`` through the states entering each chunk.
-    x, y: ``(B, H, N, C, Dk)``; z: ``(B, H, N, C, Dv)``."""
-    U = _scale(y, d.to_end).transpose(-1, -2) @ z  # each chunk's own contribution, (B, H, N, Dk, Dv)
-    return _scale(x, d.from_start) @ _scan_chunks(U, d.whole, reverse=False)
+def _blocks(N: int, C: int):
+    per = max(1, BLOCK_TOKENS // C)
+    return [(n0, min(n0 + per, N)) for n0 in range(0, N, per)]
 
 
-def inter_anticausal(x: Tensor, y: Tensor, z: Tensor, d: Decay) -> Tensor:
-    """``o_t = sum_{s in later chunks} M_st (x_t . y_s) z_s``, the transpose of ``inter_causal``."""
-    U = _scale(y, d.from_start).transpose(-1, -2) @ z
-    return _scale(x, d.to_end) @ _scan_chunks(U, d.whole, reverse=True)
+def _take(x: Tensor, s: slice, ones: bool = False) -> Tensor:
+    """Chunks ``s`` of ``(B, H, N, C, D)`` as one contiguous ``(n, B, H, C, D)`` batch for the matmuls,
+    with a column of ones added if ``ones``."""
+    x = x[:, :, s].permute(2, 0, 1, 3, 4)
+    return _with_ones(x) if ones else x.contiguous()
 
 
-def _masked(x: Tensor, y: Tensor, z: Tensor, W: Tensor) -> Tensor:
-    return ((x @ y.transpose(-1, -2)) * W) @ z
+def _put(dst: Tensor, s: slice, val: Tensor, add: bool = False) -> None:
+    view = dst[:, :, s]
+    val = val.permute(1, 2, 0, 3, 4)
+    view.add_(val) if add else view.copy_(val)
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    """v ``(..., Dv)`` with a column of ones: the normaliser ``sum_j A_ij`` rides along as one more output."""
+    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
 
 
 class _ChunkAttention(torch.autograd.Function):
-    """``o = ((q k^T) * W) v`` on the chunk grid (inputs already padded to N*C and viewed as chunks)."""
+    """``o = ((q k^T) * W) v`` on the chunk grid, divided by ``((q k^T) * W) 1 + eps`` when normalising:
+    q, k ``(B, H, N, C, Dk)``, v ``(B, H, N, C, Dv)`` (padded to N*C tokens); log-gates ``(B, H, N*C)``
+    or None. The normaliser is a column of ones added to each block of v, and the division is done per
+    block, so that no sequence-long temporary is made for either."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_f, log_b, C, bidirectional):
-        B, H, N, _, _ = q.shape
-        fwd = make_decay(log_f, N, C, strict=False, dtype=q.dtype, device=q.device)
-        bwd = make_decay(log_b, N, C, strict=True, dtype=q.dtype, device=q.device) if bidirectional else None
-        W = fwd.intra + bwd.intra.transpose(-1, -2) if bwd is not None else fwd.intra
-        o = _masked(q, k, v, W) + inter_causal(q, k, v, fwd)
-        if bwd is not None:
-            o = o + inter_anticausal(q, k, v, bwd)
-        ctx.save_for_backward(q, k, v, W, *fwd, *(bwd or ()))
-        ctx.has_f, ctx.has_b, ctx.bidirectional = log_f is not None, log_b is not None, bidirectional
-        return o
+    def forward(ctx, q, k, v, log_f, log_b, C, bidirectional, normalize, eps):
+        B, H, N, _, Dk = q.shape
+        Dv = v.shape[-1] + normalize
+        dtype = q.dtype
+        fwd, bwd = make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype)
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        strict = lower.tril(-1)
+        blocks = _blocks(N, C)
+        y = v.new_empty(v.shape)
+        den = q.new_empty(N, B, H, C) if normalize else None
+
+        def finish(o: Tensor, s: slice) -> None:
+            if normalize:
+                den[s] = o[..., -1]
+                o = o[..., :-1] / (o[..., -1:] + eps)
+            _put(y, s, o)
+
+        # the forward direction's part of each block waits here (chunks first) for the backward one's
+        partial = q.new_empty(N, B, H, C, Dv) if bidirectional else None
+        carry = q.new_zeros(B, H, Dk, Dv)
+        for n0, n1 in blocks:  # within chunks, and the forward direction's states
+            s = slice(n0, n1)
+            W = intra_decay(fwd, n0, n1, lower, dtype)
+            if bidirectional:
+                W = W + intra_decay(bwd, n0, n1, strict, dtype).transpose(-1, -2)
+            qs, ks, vs = _take(q, s), _take(k, s), _take(v, s, normalize)
+            o, carry = inter_block(qs, ks, vs, fwd, n0, n1, carry, reverse=False)
+            o.add_(((qs @ ks.transpose(-1, -2)) * W) @ vs)
+            if bidirectional:
+                partial[s] = o
+            else:
+                finish(o, s)
+        if bidirectional:
+            carry = q.new_zeros(B, H, Dk, Dv)
+            for n0, n1 in reversed(blocks):
+                s = slice(n0, n1)
+                o, carry = inter_block(_take(q, s), _take(k, s), _take(v, s, normalize), bwd, n0, n1, carry,
+                                       reverse=True)
+                finish(o.add_(partial[s]), s)
+        ctx.save_for_backward(q, k, v, log_f, log_b, y, den)
+        ctx.C, ctx.bidirectional, ctx.normalize, ctx.eps = C, bidirectional, normalize, eps
+        return y
 
     @staticmethod
-    def backward(ctx, do):
-        q, k, v, W, *decays = ctx.saved_tensors
-        fwd = Decay(*decays[:4])
-        bwd = Decay(*decays[4:]) if ctx.bidirectional else None
-        do = do.contiguous()
-        WT = W.transpose(-1, -2)
-        qk, dov = q @ k.transpose(-1, -2), do @ v.transpose(-1, -2)
-        # dq = ((do v^T) * W) k, dk = ((v do^T) * W^T) q, dv = ((k q^T) * W^T) do; the inter-chunk parts
-        # of each direction are kept apart for the gates' gradients.
-        dq_f, dk_f = inter_causal(do, v, k, fwd), inter_anticausal(v, do, q, fwd)
-        dq = (dov * W) @ k + dq_f
-        dk = (dov.transpose(-1, -2) * WT) @ q + dk_f
-        dv = (qk.transpose(-1, -2) * WT) @ do + inter_anticausal(k, q, do, fwd)
-        if bwd is not None:
-            dq_b, dk_b = inter_anticausal(do, v, k, bwd), inter_causal(v, do, q, bwd)
-            dq, dk = dq + dq_b, dk + dk_b
-            dv = dv + inter_causal(k, q, do, bwd)
+    def backward(ctx, dy):
+        q, k, v, log_f, log_b, y, den = ctx.saved_tensors
+        C, bidirectional, normalize, eps = ctx.C, ctx.bidirectional, ctx.normalize, ctx.eps
+        B, H, N, _, Dk = q.shape
+        Dv = v.shape[-1] + normalize
+        dtype = q.dtype
+        fwd, bwd = make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype)
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        strict = lower.tril(-1)
+        blocks = _blocks(N, C)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def grad_out(s: slice) -> Tensor:
+            """The gradient w.r.t. the block's unnormalised output (and its normaliser column)."""
+            dys = _take(dy, s)
+            if not normalize:
+                return dys
+            inv = 1.0 / (den[s, ..., None] + eps)
+            return torch.cat([dys * inv, -(dys * _take(y, s)).sum(-1, keepdim=True) * inv], dim=-1)
+
+        def put_dv(s: slice, val: Tensor, add: bool = False) -> None:
+            _put(dv, s, val[..., :-1] if normalize else val, add)  # the ones column has no gradient
+
         # d loss / d (cumulative log-gate at t) = what t gains as a query minus what it gives as a key,
         # P_ij = M_ij (q_i . k_j)(do_i . v_j); log_a_u enters every cumulative sum from u on.
-        E = qk * dov
-        dlog_f = dlog_b = None
-        if ctx.has_f:
-            Ef = E * fwd.intra
-            dcum = Ef.sum(-1) - Ef.sum(-2) + (q * dq_f).sum(-1) - (k * dk_f).sum(-1)
-            dlog_f = _suffix_sum(dcum)
-        if ctx.has_b:
-            Eb = E * bwd.intra.transpose(-1, -2)  # query t, key s > t; s plays the role of i
-            dcum = Eb.sum(-2) - Eb.sum(-1) + (k * dk_b).sum(-1) - (q * dq_b).sum(-1)
-            dlog_b = _suffix_sum(dcum)
-        return dq, dk, dv, dlog_f, dlog_b, None, None
+        dcum_f = q.new_zeros(N, B, H, C) if fwd is not None else None
+        dcum_b = q.new_zeros(N, B, H, C) if bwd is not None else None
+        # dq = ((do v^T) * W) k, dk = ((v do^T) * W^T) q, dv = ((k q^T) * W^T) do: the inside of chunks,
+        # then the between-chunk parts whose states run left to right (forward direction's dq, backward
+        # direction's dk and dv), then those running right to left.
+        c_dq, c_dk, c_dv = q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dk, Dv)
+        for n0, n1 in blocks:
+            s = slice(n0, n1)
+            qs, ks, vs, dos = _take(q, s), _take(k, s), _take(v, s, normalize), grad_out(s)
+            Wf = intra_decay(fwd, n0, n1, lower, dtype)
+            Wb = intra_decay(bwd, n0, n1, strict, dtype).transpose(-1, -2) if bidirectional else None
+            W = Wf + Wb if Wb is not None else Wf
+            qk, dov = qs @ ks.transpose(-1, -2), dos @ vs.transpose(-1, -2)
+            dovW = dov * W
+            dq_f, c_dq = inter_block(dos, vs, ks, fwd, n0, n1, c_dq, reverse=False)
+            dk_s = dovW.transpose(-1, -2) @ qs
+            dv_s = (qk * W).transpose(-1, -2) @ dos
+            if fwd is not None or bwd is not None:
+                E = qk * dov
+            if fwd is not None:
+                Ef = E * Wf
+                dcum_f[s] = Ef.sum(-1) - Ef.sum(-2) + (qs * dq_f).sum(-1)
+            _put(dq, s, dq_f.add_(dovW @ ks))
+            if bidirectional:
+                dk_b, c_dk = inter_block(vs, dos, qs, bwd, n0, n1, c_dk, reverse=False)
+                dv_b, c_dv = inter_block(ks, qs, dos, bwd, n0, n1, c_dv, reverse=False)
+                if bwd is not None:
+                    Eb = E * Wb  # query t, key s > t; s plays the role of i
+                    dcum_b[s] = Eb.sum(-2) - Eb.sum(-1) + (ks * dk_b).sum(-1)
+                dk_s += dk_b
+                dv_s += dv_b
+            _put(dk, s, dk_s)
+            put_dv(s, dv_s)
+        c_dk, c_dv, c_dq = q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dk, Dv), q.new_zeros(B, H, Dv, Dk)
+        for n0, n1 in reversed(blocks):
+            s = slice(n0, n1)
+            qs, ks, vs, dos = _take(q, s), _take(k, s), _take(v, s, normalize), grad_out(s)
+            dk_f, c_dk = inter_block(vs, dos, qs, fwd, n0, n1, c_dk, reverse=True)
+            dv_f, c_dv = inter_block(ks, qs, dos, fwd, n0, n1, c_dv, reverse=True)
+            if fwd is not None:
+                dcum_f[s] -= (ks * dk_f).sum(-1)
+            _put(dk, s, dk_f, add=True)
+            put_dv(s, dv_f, add=True)
+            if bidirectional:
+                dq_b, c_dq = inter_block(dos, vs, ks, bwd, n0, n1, c_dq, reverse=True)
+                if bwd is not None:
+                    dcum_b[s] -= (qs * dq_b).sum(-1)
+                _put(dq, s, dq_b, add=True)
+        dlog_f = _suffix_sum(dcum_f) if dcum_f is not None and ctx.needs_input_grad[3] else None
+        dlog_b = _suffix_sum(dcum_b) if dcum_b is not None and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, dlog_f, dlog_b, None, None, None, None
 
 
 def _suffix_sum(dcum: Tensor) -> Tensor:
-    """``(B, H, N, C)`` per-position gradients of cumulative sums -> ``(B, H, N*C)`` gradients of the
+    """``(N, B, H, C)`` per-position gradients of cumulative sums -> ``(B, H, N*C)`` gradients of the
     log-gates; position 0's gate lies on no path."""
-    B, H, N, C = dcum.shape
-    flat = dcum.reshape(B, H, N * C).double()
+    N, B, H, C = dcum.shape
+    flat = dcum.permute(1, 2, 0, 3).reshape(B, H, N * C).double()
     out = flat.flip(-1).cumsum(-1).flip(-1)
     out[..., 0] = 0.0
     return out.to(dcum.dtype)
 
 
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
-                    log_a_bwd: Optional[Tensor], causal: bool, chunk_size: int) -> Tensor:
-    """q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)`` (the normaliser as its last column if wanted);
-    gates ``(B, H, L)`` or None. Returns ``(B, H, L, Dv)``."""
+                    log_a_bwd: Optional[Tensor], causal: bool, chunk_size: int, normalize: bool = False,
+                    eps: float = 1e-6) -> Tensor:
+    """q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)``; gates ``(B, H, L)`` or None. Returns ``(B, H, L, Dv)``:
+    ``((q k^T) * M) v``, divided row by row by ``sum_j (q k^T * M)_ij + eps`` if ``normalize``."""
     B, H, L, Dk = q.shape
     Dv = v.shape[-1]
     C = min(chunk_size, L)
@@ -152,6 +280,7 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor]
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         log_a_fwd = F.pad(log_a_fwd, (0, pad)) if log_a_fwd is not None else None
         log_b = F.pad(log_b, (0, pad)) if log_b is not None else None
-    o = _ChunkAttention.apply(q.reshape(B, H, N, C, Dk), k.reshape(B, H, N, C, Dk), v.reshape(B, H, N, C, Dv),
-                              log_a_fwd, log_b, C, not causal)
-    return o.reshape(B, H, N * C, Dv)[:, :, :L]
+    y = _ChunkAttention.apply(q.reshape(B, H, N, C, Dk), k.reshape(B, H, N, C, Dk), v.reshape(B, H, N, C, Dv),
+                              log_a_fwd, log_b, C, not causal, normalize, eps)
+    y = y.reshape(B, H, N * C, Dv)
+    return y[:, :, :L] if pad else y

@@ -1,0 +1,283 @@
+"""LION on flash-linear-attention (lion_fairseq/ops/fla.py).
+
+On CPU, fla's kernel is replaced by a naive float64 twin of its documented contract (the recurrence of
+fla/ops/simple_gla/naive.py, naive_recurrent_simple_gla), which also asserts the input rules the real
+kernel has; so the flips, shifts and gate placement of ``fla_attention`` are checked here against the
+literal reference, with gradients. On CUDA with fla installed, the real kernels are checked against the
+PyTorch chunk form."""
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lion_fairseq.ops.attention as attention_mod
+import lion_fairseq.ops.fla as fla_mod
+from lion_fairseq.ops import lion_attention
+from lion_fairseq.ops.fla import fla_attention, fla_available
+from reference import fast_reference_attention, reference_attention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, H, DK, DV = 2, 3, 5, 3  # odd, unequal head dims: fla_attention must pad them for the 16-bit kernels
+
+
+def naive_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                           output_final_state=False, **kwargs):
+    """``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale q_t S_t`` token by token in float64, on fla's
+    layout ``(B, T, H, D)``; returns ``(o in q's dtype, None)`` like ``chunk_simple_gla``."""
+    Bq, T, Hq, K = q.shape
+    V = v.shape[-1]
+    assert k.shape == q.shape and v.shape[:3] == (Bq, T, Hq), "fla takes (B, T, H, D)"
+    assert q.dtype == k.dtype == v.dtype, "fla's kernels take one dtype for q, k, v"
+    assert all(x.is_contiguous() for x in (q, k, v))
+    if q.dtype in (torch.float16, torch.bfloat16):  # chunk_bwd_dv's rule (fla/ops/common/chunk_o.py:604-606)
+        assert K % 2 == 0 and V % 2 == 0
+    assert scale == 1.0, "LION has no 1/sqrt(Dk) scale; fla's default is 1/sqrt(K)"
+    assert g_gamma is None and initial_state is None and not output_final_state
+    if g is not None:
+        assert g.shape == (Bq, T, Hq) and g.is_contiguous()
+        assert g.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    naive_chunk_simple_gla.calls.append((q.dtype, K, V, None if g is None else g.dtype))
+    qd, kd, vd = q.double(), k.double(), v.double()
+    S = qd.new_zeros(Bq, Hq, K, V)
+    out = []
+    for t in range(T):
+        if g is not None:
+            S = S * g[:, t].double().exp()[..., None, None]
+        S = S + kd[:, t, :, :, None] * vd[:, t, :, None, :]
+        out.append(scale * (qd[:, t, :, None, :] @ S).squeeze(-2))
+    return torch.stack(out, 1).to(q.dtype), None
+
+
+naive_chunk_simple_gla.calls = []
+
+
+@pytest.fixture
+def naive_fla(monkeypatch):
+    """fla's kernel handle replaced by the naive twin; yields the list of its calls."""
+    monkeypatch.setattr(fla_mod, "_load", lambda: naive_chunk_simple_gla)
+    naive_chunk_simple_gla.calls = []
+    yield naive_chunk_simple_gla.calls
+
+
+def make_inputs(L, gates, dtype=torch.float64, seed=0, dk=DK, dv=DV):
+    """Positive q, k (as LION's feature maps give), signed v, log-gates of the requested kind."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, L, dk, generator=g, dtype=torch.float64) + 0.05
+    k = torch.rand(B, H, L, dk, generator=g, dtype=torch.float64) + 0.05
+    v = torch.randn(B, H, L, dv, generator=g, dtype=torch.float64)
+    if gates == "none":
+        f = b = None
+    elif gates == "head":
+        f = F.logsigmoid(torch.randn(H, 1, generator=g, dtype=torch.float64) + 1)
+        b = F.logsigmoid(torch.randn(H, 1, generator=g, dtype=torch.float64) + 1)
+    else:
+        f = F.logsigmoid(torch.randn(B, H, L, generator=g, dtype=torch.float64) + 1)
+        b = F.logsigmoid(torch.randn(B, H, L, generator=g, dtype=torch.float64) + 1)
+    return [x.to(dtype) if x is not None else None for x in (q, k, v, f, b)]
+
+
+def grads(fn, inputs, weight):
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in inputs]
+    (fn(*leaves).double() * weight).sum().backward()
+    return [x.grad if x is not None else None for x in leaves]
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def rel_rms(x, ref):
+    ref = ref.double()
+    return ((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("L", [1, 7, 33])
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fla_attention_equals_reference_with_gradients(naive_fla, L, gates, causal):
+    """The unnormalised product for M of SPEC section 1, both directions, in float64 through the twin."""
+    inputs = make_inputs(L, gates, seed=L)
+
+    def fla_fn(q, k, v, f, b):  # fla_attention's contract: gates already (B, H, L)
+        ex = lambda x: x.expand(B, H, L) if x is not None else None  # noqa: E731
+        return fla_attention(q, k, v, ex(f), ex(b), causal)
+
+    ref_fn = lambda *x: reference_attention(*x, causal=causal, normalize=False)  # noqa: E731
+    y = fla_fn(*inputs)
+    assert y.shape == (B, H, L, DV) and y.dtype == torch.float64
+    assert rel_err(y, ref_fn(*inputs)) < 1e-12
+    assert len(naive_fla) == (1 if causal else 2)
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fla_fn, inputs, weight),
+                           grads(ref_fn, inputs, weight)):
+        if rg is None or (causal and name == "log_a_bwd"):
+            continue
+        assert g is not None and (g - rg).abs().max() <= 1e-10 * rg.abs().max() + 1e-14, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_lion_attention_chunk_goes_through_fla_when_available(naive_fla, monkeypatch, causal, normalize):
+    """``lion_attention(form="chunk")`` with fla: the same function as the PyTorch chunk form and the
+    reference, with padding on one row; float32 inputs reach the kernel as float32, gates float32."""
+    L = 19
+    inputs = make_inputs(L, "token", dtype=torch.float32, seed=3)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, -4:] = True
+    kw = dict(form="chunk", causal=causal, normalize=normalize, key_padding_mask=mask, chunk_size=8)
+    torch_chunk = lion_attention(*inputs, **kw)
+    assert not naive_fla  # no CUDA here: fla is not used unless forced
+    monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
+    y = lion_attention(*inputs, **kw)
+    assert naive_fla and all(c == (torch.float32, 8, 8, torch.float32) for c in naive_fla)
+    ref = reference_attention(*[x.double() for x in inputs], causal=causal, normalize=normalize,
+                              key_padding_mask=mask)
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5 and rel_err(y, torch_chunk) < 1e-5
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    fn = lambda *x: lion_attention(*x, **kw)  # noqa: E731
+    ref_fn = lambda *x: reference_attention(*x, causal=causal, normalize=normalize, key_padding_mask=mask)  # noqa: E731
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight),
+                           grads(ref_fn, [x.double() for x in inputs], weight)):
+        if causal and name == "log_a_bwd":
+            continue
+        assert (g.double() - rg).abs().max() <= 1e-4 * rg.abs().max() + 1e-6, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_inputs_reach_fla_in_their_dtype(naive_fla, monkeypatch, dtype):
+    """bf16/fp16 stay 16-bit on their way to the kernel (fla's speed), with head dims padded to even;
+    the two directions are summed and normalised in float32."""
+    monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
+    inputs = make_inputs(40, "token", dtype=dtype, dk=6, dv=4)
+    q, k, v, f, b = inputs
+    y = lion_attention(q, k, v, f.float(), b.float(), form="chunk")
+    assert y.dtype == dtype
+    assert [c[0] for c in naive_fla] == [dtype, dtype] and all(c[1] % 2 == 0 and c[2] % 2 == 0 for c in naive_fla)
+    assert all(c[3] == torch.float32 for c in naive_fla)
+    ref = reference_attention(*[x.double() for x in inputs])
+    assert rel_rms(y, ref) < 1e-2
+
+
+def test_long_strong_decay_stays_finite(naive_fla):
+    """Gates clamped as lion_attention clamps them (exp -> 0) pass through the shifted keys as zeros."""
+    q, k, v, _, _ = make_inputs(9, "none")
+    gate = torch.full((B, H, 9), -1e4, dtype=torch.float64)
+    y = fla_attention(q, k, v, gate, gate, causal=False)
+    # with gates 0 each query sees only its own key
+    assert torch.isfinite(y).all()
+    assert rel_err(y, (q * k).sum(-1, keepdim=True) * v) < 1e-12
+
+
+def test_fla_available_rules(monkeypatch):
+    monkeypatch.delenv("LION_FLA", raising=False)
+    cpu = torch.zeros(1)
+    assert not fla_available(cpu)
+    cuda_like = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    monkeypatch.setattr(fla_mod, "_load", lambda: None)
+    assert not fla_available(cuda_like)  # not installed
+    monkeypatch.setattr(fla_mod, "_load", lambda: naive_chunk_simple_gla)
+    assert fla_available(cuda_like)
+    assert not fla_available(types.SimpleNamespace(is_cuda=True, dtype=torch.float64))
+    monkeypatch.setenv("LION_FLA", "0")
+    assert not fla_available(cuda_like)
+
+
+def test_missing_fla_says_what_to_install(monkeypatch):
+    if fla_mod.importlib.util.find_spec("fla") is None:
+        fla_mod._load.cache_clear()
+        assert fla_mod._load() is None  # quietly: fla is optional
+    monkeypatch.setattr(fla_mod, "_load", lambda: None)
+    q, k, v, _, _ = make_inputs(3, "none")
+    with pytest.raises(RuntimeError, match="fla-core"):
+        fla_attention(q, k, v, None, None, causal=False)
+
+
+def test_gpu_benchmark_help(capsys):
+    from lion_fairseq.benchmark import gpu
+
+    with pytest.raises(SystemExit) as done:
+        gpu.main(["--help"])
+    assert done.value.code == 0 and "--out" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_writes_its_tables(tmp_path):
+    """The report writer on a made-up report with every kind of cell, so a lent GPU's minutes are not lost
+    to a formatting error at the end."""
+    from lion_fairseq.benchmark import gpu
+
+    report = {"environment": {"gpu": "none", "torch": torch.__version__},
+              "args": vars(gpu.parse_args(["--out", str(tmp_path)])),
+              "check": [{"L": 65, "dtype": "bfloat16", "causal": False, "finite": True, "ok": True,
+                         "errors": {"values": 3e-3, "dq": 5e-3, "dlog_a_fwd": 8e-3}},
+                        {"L": 1, "dtype": "float32", "causal": True, "ok": False, "error": "RuntimeError('x')"}],
+              "timing": [{"L": 1024, "B": 32, "results": {"lion-fla": {"fwd_ms": 0.5, "fwdbwd_ms": 1.5,
+                                                                      "fwd_mib": 10.0, "fwdbwd_mib": 40.0},
+                                                         "sdpa": {"fwd_ms": "OOM"},
+                                                         "lion-torch-chunk": {"fwd_ms": "skipped (budget)"}}}]}
+    gpu.save(tmp_path, report)
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| 65 | bfloat16 | False | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
+    assert "| 1024 | 32 | 0.5 | - | skipped (budget) | OOM |" in md and "error: RuntimeError" in md
+    assert gpu.json.loads((tmp_path / "gpu.json").read_text())["timing"][0]["B"] == 32
+
+
+def test_gpu_benchmark_refuses_clearly_without_cuda_or_fla(tmp_path):
+    """``python -m lion_fairseq.benchmark.gpu`` as typed; LION_FLA=0 makes it refuse on a GPU machine too,
+    instead of running the benchmark inside the tests (one process: importing fairseq takes seconds)."""
+    run = subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.gpu", "--out", str(tmp_path / "out")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, LION_FLA="0"))
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert ("needs a CUDA GPU" if not torch.cuda.is_available() else "LION_FLA=0") in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- the real kernels (CUDA with fla installed) ----
+
+HAS_FLA = torch.cuda.is_available() and fla_mod._load() is not None
+needs_fla = pytest.mark.skipif(not HAS_FLA, reason="needs CUDA and flash-linear-attention (fla-core)")
+# fla's fp32 matmuls run in TF32 (Triton's default), the PyTorch form's in full fp32; bf16 has 8 bits
+TOL = {torch.float32: (3e-3, 3e-3), torch.bfloat16: (1e-2, 2e-2)}  # (values, gradients), relative RMS
+
+
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L", [1, 63, 64, 65, 1000, 4096])
+def test_fla_kernels_match_pytorch_chunk_form(monkeypatch, dtype, causal, L):
+    g = torch.Generator(device="cuda").manual_seed(L)
+    D = 64
+    q = (torch.rand(2, 4, L, D, device="cuda", generator=g) / D ** 0.5).to(dtype)
+    k = (torch.rand(2, 4, L, D, device="cuda", generator=g) / D ** 0.5).to(dtype)
+    v = torch.randn(2, 4, L, D, device="cuda", generator=g).to(dtype)
+    f = F.logsigmoid(torch.randn(2, 4, L, device="cuda", generator=g) + 2)
+    b = F.logsigmoid(torch.randn(2, 4, L, device="cuda", generator=g) + 2)
+    weight = torch.randn(2, 4, L, D, device="cuda", generator=g, dtype=torch.float64)
+    inputs = [q, k, v, f, b]
+    fn = lambda *x: lion_attention(*x, form="chunk", causal=causal)  # noqa: E731
+    monkeypatch.setenv("LION_FLA", "1")
+    assert fla_available(q)
+    y, gr = fn(*inputs), grads(fn, inputs, weight)
+    monkeypatch.setenv("LION_FLA", "0")
+    y_ref, gr_ref = fn(*inputs), grads(fn, inputs, weight)
+    tol_y, tol_g = TOL[dtype]
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_rms(y, y_ref) < tol_y
+    for name, a, r in zip("q k v log_a_fwd log_a_bwd".split(), gr, gr_ref):
+        if causal and name == "log_a_bwd":
+            continue
+        assert torch.isfinite(a).all() and rel_rms(a, r) < tol_g, name
+
+
+@needs_fla
+def test_fla_kernels_match_reference_fp32():
+    L = 300
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.rand(1, 2, L, 16, generator=g), torch.rand(1, 2, L, 16, generator=g),
+              torch.randn(1, 2, L, 8, generator=g), F.logsigmoid(torch.randn(1, 2, L, generator=g) + 2),
+              F.logsigmoid(torch.randn(1, 2, L, generator=g) + 2)]
+    y = lion_attention(*[x.cuda() for x in inputs], form="chunk")
+    assert rel_rms(y.cpu(), fast_reference_attention(*inputs)) < TOL[torch.float32][0]
