@@ -2,6 +2,7 @@
 ``TransformerEncoderLayer`` (same submodule names, post-norm by default, pre-norm on request)."""
 from typing import Any, Dict, Optional
 
+import torch
 import torch.nn as nn
 from fairseq import utils
 from fairseq.modules import LayerNorm
@@ -9,6 +10,10 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor
 
 from .lion_attention import LionAttention
+
+# tokens per block of the recurrent form's blockwise inference: small next to a long sequence, large
+# enough that the projections and FFN stay efficient matmuls
+BLOCK_TOKENS = 512
 
 
 class LionEncoderLayer(nn.Module):
@@ -50,11 +55,18 @@ class LionEncoderLayer(nn.Module):
 
     def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor] = None) -> Tensor:
         """x: ``(T, B, C)``; encoder_padding_mask: ``(B, T)`` bool, True at padding (or None).
-        Returns ``(T, B, C)``; outputs at padded positions are meaningless but finite."""
-        residual = x
-        if self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-        x = self.self_attn(x, key_padding_mask=encoder_padding_mask)
+        Returns ``(T, B, C)``; outputs at padded positions are meaningless but finite.
+
+        In the recurrent form at inference (eval mode, no autograd) the layer runs a block of
+        ``BLOCK_TOKENS`` tokens at a time (:meth:`LionAttention.blockwise`), so that its memory beyond its
+        input and output is a block's activations, whatever T: the RNN's promise, for the whole layer."""
+        if self.self_attn.form == "recurrent" and not self.training and not torch.is_grad_enabled():
+            return self._forward_blockwise(x, encoder_padding_mask)
+        h = self.self_attn_layer_norm(x) if self.normalize_before else x
+        return self._after_attention(x, self.self_attn(h, key_padding_mask=encoder_padding_mask))
+
+    def _after_attention(self, residual: Tensor, x: Tensor) -> Tensor:
+        """The residual, norms and FFN around the attention output: token by token."""
         x = residual + self.dropout_module(x)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
@@ -67,3 +79,13 @@ class LionEncoderLayer(nn.Module):
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x
+
+    def _forward_blockwise(self, x: Tensor, encoder_padding_mask: Optional[Tensor]) -> Tensor:
+        out = torch.empty_like(x)
+
+        def source(s: int, e: int) -> Tensor:
+            return self.self_attn_layer_norm(x[s:e]) if self.normalize_before else x[s:e]
+
+        for s, e, a in self.self_attn.blockwise(source, x.shape[0], encoder_padding_mask, BLOCK_TOKENS):
+            out[s:e] = self._after_attention(x[s:e], a)
+        return out

@@ -1,6 +1,6 @@
 """LionAttention: projections, feature map and decay gates around ``lion_fairseq.ops``, in fairseq's
 ``T x B x C`` layout, with incremental (recurrent) decoding state."""
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
-from ..ops import FORMS, causal_state, lion_attention, lion_step
+from ..ops import FORMS, block_attention, causal_state, lion_attention, lion_step, state_after, state_before
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
 
 VARIANTS = ("lit", "d", "s")
@@ -177,3 +177,55 @@ class LionAttention(nn.Module):
         if saved:
             saved = {key: t.index_select(0, new_order) for key, t in saved.items()}
             self.set_incremental_state(incremental_state, "lion_state", saved)
+
+    def blockwise(self, source: Callable[[int, int], Tensor], T: int, key_padding_mask: Optional[Tensor],
+                  block: int) -> Iterator[Tuple[int, int, Tensor]]:
+        """Bidirectional inference a block of tokens at a time: yields ``(s, e, out)`` from left to right,
+        ``out`` ``(e - s, B, C)`` the rows s..e-1 of ``forward``'s output, for an input whose rows
+        ``source(s, e)`` gives (so the caller never holds the whole of it, nor its projections).
+
+        A first pass, right to left, leaves the backward direction's state at each block's edge; the
+        second computes each block with both states carried in. Each block's keys and values are projected
+        in both passes: a sixth more multiply-adds than ``forward`` for memory that does not grow with T
+        beyond one state per block. key_padding_mask: ``(B, T)`` bool, True at padding."""
+        if self.causal:
+            raise ValueError("blockwise inference is for bidirectional LionAttention")
+        edges = list(range(0, T, block)) + [T]
+        n = len(edges) - 1
+        mask = (lambda s, e: key_padding_mask[:, s:e]) if key_padding_mask is not None else (lambda s, e: None)
+        lam: Optional[Tensor] = None  # LION-S: log lambda of every token, (B, H, T), filled right to left
+        head_gate: Optional[Tensor] = None  # LION-D: one log-gate per head, the same in every block
+
+        def gates(s: int, e: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+            """log_a_fwd[t] = log lambda_{t-1}, log_a_bwd[t] = log lambda_{t+1}, 0 past the ends."""
+            if lam is None:
+                return head_gate, head_gate
+            return (F.pad(lam[..., max(s - 1, 0):e - 1], (int(s == 0), 0)),
+                    F.pad(lam[..., s + 1:e + 1], (0, int(e == T))))
+
+        rights, right = [None] * n, None
+        for i in reversed(range(n)):
+            rights[i] = right
+            s, e = edges[i], edges[i + 1]
+            x = source(s, e)
+            log_lam = self.log_gates(x)
+            if self.variant == "s":
+                if lam is None:
+                    lam = log_lam.new_zeros(log_lam.shape[:2] + (T,))
+                lam[..., s:e] = log_lam
+            else:
+                head_gate = log_lam
+            if i > 0:  # the first block's right state is read by no block
+                k, v = self.phi(self._heads(self.k_proj(x))), self._heads(self.v_proj(x))
+                right = state_before(right, k, v, gates(s, e)[1], mask(s, e))
+        left = None
+        for i in range(n):
+            s, e = edges[i], edges[i + 1]
+            x = source(s, e)
+            q, k, v = self.phi(self._heads(self.q_proj(x))), self.phi(self._heads(self.k_proj(x))), self._heads(self.v_proj(x))
+            f, b = gates(s, e)
+            y = block_attention(q, k, v, f, b, left, rights[i], form=self.form, normalize=self.normalize,
+                                key_padding_mask=mask(s, e), chunk_size=self.chunk_size, eps=self.eps)
+            if i + 1 < n:
+                left = state_after(left, k, v, f, mask(s, e))
+            yield s, e, self._output(y)

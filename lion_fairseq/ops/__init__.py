@@ -1,5 +1,6 @@
 """The LION operator in pure PyTorch (no fairseq import): parallel, chunkwise and recurrent forms."""
 from .attention import FORMS, lion_attention
+from .blockwise import block_attention, state_after, state_before
 from .recurrent import causal_state, lion_step
 
-__all__ = ["FORMS", "causal_state", "lion_attention", "lion_step"]
+__all__ = ["FORMS", "block_attention", "causal_state", "lion_attention", "lion_step", "state_after", "state_before"]

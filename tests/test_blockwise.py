@@ -1,0 +1,84 @@
+"""The operator over a sequence given block by block (``ops.blockwise``) equals it over the whole."""
+import pytest
+import torch
+
+from lion_fairseq.ops import block_attention, lion_attention, state_after, state_before
+from reference import reference_attention
+from test_ops import B, DV, H, make_inputs, rel_err
+
+
+def by_blocks(q, k, v, f, b, sizes, form, normalize, mask=None):
+    """The way a layer streams: right states from right to left, then outputs from left to right."""
+    edges = [0]
+    for n in sizes:
+        edges.append(edges[-1] + n)
+    part = lambda x, s, e: x[..., s:e] if x is not None and x.shape[-1] > 1 else x  # noqa: E731
+    rows = lambda x, s, e: x[:, :, s:e]  # noqa: E731
+    m = lambda s, e: mask[:, s:e] if mask is not None else None  # noqa: E731
+    rights, right = [None] * len(sizes), None
+    for i in reversed(range(len(sizes))):
+        rights[i] = right
+        s, e = edges[i], edges[i + 1]
+        right = state_before(right, rows(k, s, e), rows(v, s, e), part(b, s, e), m(s, e))
+    out, left = [], None
+    for i in range(len(sizes)):
+        s, e = edges[i], edges[i + 1]
+        out.append(block_attention(rows(q, s, e), rows(k, s, e), rows(v, s, e), part(f, s, e), part(b, s, e),
+                                   left, rights[i], form=form, normalize=normalize, key_padding_mask=m(s, e),
+                                   chunk_size=4))
+        left = state_after(left, rows(k, s, e), rows(v, s, e), part(f, s, e), m(s, e))
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_blocks_equal_the_whole_sequence(form, gates, normalize):
+    L = 16
+    inputs = make_inputs(L, gates, seed=5)
+    ref = reference_attention(*[x.double() if x is not None else None for x in inputs], normalize=normalize)
+    for sizes in ([L], [1, L - 1], [5, 3, 1, 7], [4, 4, 4, 4]):
+        y = by_blocks(*inputs, sizes, form, normalize)
+        assert y.shape == (B, H, L, DV)
+        assert rel_err(y, ref) < 1e-5, sizes
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_blocks_with_padding_equal_the_whole_sequence(side):
+    L = 14
+    q, k, v, f, b = make_inputs(L, "token", seed=6)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    if side == "left":
+        mask[1, :5] = True
+    else:
+        mask[1, -5:] = True
+    whole = lion_attention(q, k, v, f, b, form="parallel", key_padding_mask=mask)
+    y = by_blocks(q, k, v, f, b, [3, 6, 5], "recurrent", True, mask)
+    assert rel_err(y, whole) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_encoder_layer_recurrent_inference_by_blocks(monkeypatch, variant, normalize_before):
+    """In eval mode without autograd the recurrent form runs the layer block by block; its output equals
+    the whole-sequence layer (autograd on) and the chunk form, padding included."""
+    from lion_fairseq.modules import encoder_layer
+    from lion_fairseq.modules.encoder_layer import LionEncoderLayer
+
+    monkeypatch.setattr(encoder_layer, "BLOCK_TOKENS", 8)
+    torch.manual_seed(0)
+    layer = LionEncoderLayer(32, 4, 64, dict(variant=variant, form="recurrent"),
+                             normalize_before=normalize_before).eval()
+    if variant == "s":  # gates well away from 1, so that a wrong gate at a block edge shows
+        torch.nn.init.normal_(layer.self_attn.gate_proj.weight, std=0.5)
+    x = torch.randn(37, 2, 32)
+    pad = torch.zeros(2, 37, dtype=torch.bool)
+    pad[1, -6:] = True
+    whole = layer(x, pad)  # autograd on: the whole-sequence path
+    with torch.no_grad():
+        blocks = layer(x, pad)
+        layer.self_attn.form = "chunk"
+        chunk = layer(x, pad)
+    real = ~pad.t()[..., None].expand_as(x)
+    assert rel_err(blocks[real], whole.detach()[real]) < 1e-5
+    assert rel_err(blocks[real], chunk[real]) < 1e-5
