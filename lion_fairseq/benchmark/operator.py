@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .plotting import against_length, pyplot
+
 IMPLS = ("sdpa", "parallel", "chunk", "recurrent")
 # beyond these lengths a run would not fit this machine's memory (the L x L forms) or take minutes
 # (autograd through the recurrent form's token loop stores a D x D state per token)
@@ -144,28 +146,13 @@ def table(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str:
 
 
 def plot(results: Dict[str, Dict[int, Dict]], path: Path) -> bool:
-    try:
-        import logging
-
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # importing fairseq sets the root to DEBUG
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, title in zip(axes, ("fwd", "fwdbwd", "peak_mib"),
                               ("forward (s)", "forward + backward (s)", "inference peak memory (MiB)")):
-        for impl, per_len in results.items():
-            pts = [(L, r[key]) for L, r in sorted(per_len.items()) if r.get(key)]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length L")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        against_length(ax, results, key, title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

@@ -13,7 +13,7 @@ from .lion_attention import LionAttention
 
 # tokens per block of the recurrent form's blockwise inference: small next to a long sequence, large
 # enough that the projections and FFN stay efficient matmuls
-BLOCK_TOKENS = 512
+BLOCK_TOKENS = 256
 
 
 class LionEncoderLayer(nn.Module):

@@ -25,8 +25,8 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool
             S = S.mul_(gate[:, :, t, None, None]) if inplace else gate[:, :, t, None, None] * S
         if strict:
             out[:, :, t] = (q[:, :, t, None, :] @ S).squeeze(-2)
-        kv = k[:, :, t, :, None] * v[:, :, t, None, :]
-        S = S.add_(kv) if inplace else S + kv
+        # in place, fused: no D x D temporary per token
+        S = S.addcmul_(k[:, :, t, :, None], v[:, :, t, None, :]) if inplace else S + k[:, :, t, :, None] * v[:, :, t, None, :]
         if not strict:
             out[:, :, t] = (q[:, :, t, None, :] @ S).squeeze(-2)
     return out

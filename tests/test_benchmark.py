@@ -1,0 +1,21 @@
+"""The benchmark compares like with like: the layers it times have the same shape and parameters."""
+import pytest
+
+from lion_fairseq.benchmark import layer as layer_bench
+
+
+@pytest.mark.parametrize("variant,extra", [("lit", 0), ("d", layer_bench.HEADS),
+                                           ("s", layer_bench.WIDTH * layer_bench.HEADS + layer_bench.HEADS)])
+def test_layers_have_softmax_layer_parameters_plus_gates(variant, extra):
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    softmax = layer_bench.build_layer("softmax", "chunk", 64)
+    lion = layer_bench.build_layer(variant, "chunk", 64)
+    assert count(lion) == count(softmax) + extra
+
+
+def test_layer_measure_runs_every_mode_and_respects_limits():
+    r = layer_bench.measure("s", "recurrent", 48, threads=1, chunk_size=16, repeats=1, modes=["fwd", "fwdbwd"])
+    assert r["fwd"] > 0 and r["fwdbwd"] > 0 and r["peak_mib"] >= 0
+    r = layer_bench.measure("s", "recurrent", layer_bench.LIMITS[("recurrent", "fwdbwd")] + 1, threads=1,
+                            chunk_size=16, repeats=1, modes=["fwdbwd"])
+    assert r["fwdbwd"] is None  # past the limit: not run
