@@ -141,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    p.add_argument("--repeats", type=int, default=2, help="timings are the best of this many runs (1 from L=8192)")
+    p.add_argument("--repeats", type=int, default=2, help="timings are the best of this many runs")
     p.add_argument("--small", action="store_true", help="L up to 1024, no decode: a couple of minutes")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = p.parse_args(argv)
@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     results: Dict[str, Dict[int, Dict]] = {name: {} for name, _, _ in configs()}
     for L in args.lengths:
         for name, kind, form in configs():
-            r = layer_child(kind, form, L, args.threads, chunk_size, args.repeats if L < 8192 else 1)
+            r = layer_child(kind, form, L, args.threads, chunk_size, args.repeats)
             results[name][L] = r
             say(f"layer L={L:6d} {name:28s} " + (f"error: {r['error']}" if "error" in r else
                 f"fwd+bwd {fmt(r.get('fwdbwd'))} s  fwd {fmt(r.get('fwd'))} s  peak {fmt(r.get('peak_mib'), 1)} MiB"))
@@ -183,12 +183,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     if decode_lengths:
         out = args.out / "decode"
         subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.decode", "--lengths", *map(str, decode_lengths),
-                        "--steps", "16", "--score-blocks", "2048", "--out", str(out)], check=False)
+                        "--steps", "64", "--score-blocks", "2048", "--out", str(out)], check=False)
         if (out / "decode.json").exists():
             decode = json.loads((out / "decode.json").read_text())
 
     md = [f"Machine: float32 matmul {fmt(peak, 1)} GFLOP/s on {args.threads} threads; batch 1, "
-          f"best of {args.repeats} (1 from L=8192). `-`: not run (past a memory or time limit: {LIMITS}).", "",
+          f"best of {args.repeats}. `-`: not run (past a memory or time limit: {LIMITS}).", "",
           f"**Chunk size** (operator fwd+bwd at L={sweep_L}, s): " +
           ", ".join(f"{C}: {fmt(sweep[C].get('fwdbwd'))}" for C in sizes) +
           f" -> **{chunk_size}** (the smallest within 5% of the fastest)", "",

@@ -60,7 +60,8 @@ class LionEncoderLayer(nn.Module):
         In the recurrent form at inference (eval mode, no autograd) the layer runs a block of
         ``BLOCK_TOKENS`` tokens at a time (:meth:`LionAttention.blockwise`), so that its memory beyond its
         input and output is a block's activations, whatever T: the RNN's promise, for the whole layer."""
-        if self.self_attn.form == "recurrent" and not self.training and not torch.is_grad_enabled():
+        if (self.self_attn.form == "recurrent" and self.self_attn.streams_blockwise and not self.training
+                and not torch.is_grad_enabled()):
             return self._forward_blockwise(x, encoder_padding_mask)
         h = self.self_attn_layer_norm(x) if self.normalize_before else x
         return self._after_attention(x, self.self_attn(h, key_padding_mask=encoder_padding_mask))

@@ -178,6 +178,9 @@ class LionAttention(nn.Module):
             saved = {key: t.index_select(0, new_order) for key, t in saved.items()}
             self.set_incremental_state(incremental_state, "lion_state", saved)
 
+    # whether ``blockwise`` computes this module's ``forward`` (a subclass that mixes differently says no)
+    streams_blockwise = True
+
     def blockwise(self, source: Callable[[int, int], Tensor], T: int, key_padding_mask: Optional[Tensor],
                   block: int) -> Iterator[Tuple[int, int, Tensor]]:
         """Bidirectional inference a block of tokens at a time: yields ``(s, e, out)`` from left to right,

@@ -30,6 +30,8 @@ class LionTwoScanAttention(LionAttention):
     ``(T, B, C)`` in the same order. The row scan uses the parent's gates (``gate_logit`` for ``d``,
     ``gate_proj`` for ``s``); the column scan has its own (``col_gate_logit`` / ``col_gate_proj``)."""
 
+    streams_blockwise = False  # blockwise inference knows one ordering of the tokens, not two
+
     def __init__(self, embed_dim: int, num_heads: int, variant: str = "s", *, height: int, width: int, **kwargs):
         if kwargs.get("causal"):
             raise ValueError("two-scan attention is bidirectional; causal=True makes no sense here")
