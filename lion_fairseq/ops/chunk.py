@@ -119,6 +119,28 @@ def _put(dst: Tensor, s: slice, val: Tensor, add: bool = False) -> None:
     view.add_(val) if add else view.copy_(val)
 
 
+class _Grid(NamedTuple):
+    """What the forward and backward passes share: each direction's decays, the masks, the blocks."""
+    fwd: Optional[Decay]
+    bwd: Optional[Decay]
+    lower: Tensor   # (C, C) bool, diagonal included: the forward direction
+    strict: Tensor  # (C, C) bool, diagonal excluded: the backward direction on shifted gates
+    blocks: list
+
+
+def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], N: int, C: int, dtype: torch.dtype,
+          device: torch.device) -> _Grid:
+    lower = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    return _Grid(make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype), lower, lower.tril(-1),
+                 _blocks(N, C))
+
+
+def _masks(g: _Grid, n0: int, n1: int, bidirectional: bool, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
+    """``W_fwd`` and ``W_bwd^T`` (None when causal) of chunks n0..n1-1; ``W`` is their sum."""
+    Wf = intra_decay(g.fwd, n0, n1, g.lower, dtype)
+    return Wf, intra_decay(g.bwd, n0, n1, g.strict, dtype).transpose(-1, -2) if bidirectional else None
+
+
 def _with_ones(v: Tensor) -> Tensor:
     """v ``(..., Dv)`` with a column of ones: the normaliser ``sum_j A_ij`` rides along as one more output."""
     return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
@@ -135,10 +157,7 @@ class _ChunkAttention(torch.autograd.Function):
         B, H, N, _, Dk = q.shape
         Dv = v.shape[-1] + normalize
         dtype = q.dtype
-        fwd, bwd = make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype)
-        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        strict = lower.tril(-1)
-        blocks = _blocks(N, C)
+        g = _grid(log_f, log_b, N, C, dtype, q.device)
         y = v.new_empty(v.shape)
         den = q.new_empty(N, B, H, C) if normalize else None
 
@@ -151,13 +170,12 @@ class _ChunkAttention(torch.autograd.Function):
         # the forward direction's part of each block waits here (chunks first) for the backward one's
         partial = q.new_empty(N, B, H, C, Dv) if bidirectional else None
         carry = q.new_zeros(B, H, Dk, Dv)
-        for n0, n1 in blocks:  # within chunks, and the forward direction's states
+        for n0, n1 in g.blocks:  # within chunks, and the forward direction's states
             s = slice(n0, n1)
-            W = intra_decay(fwd, n0, n1, lower, dtype)
-            if bidirectional:
-                W = W + intra_decay(bwd, n0, n1, strict, dtype).transpose(-1, -2)
+            Wf, Wb = _masks(g, n0, n1, bidirectional, dtype)
+            W = Wf + Wb if Wb is not None else Wf
             qs, ks, vs = _take(q, s), _take(k, s), _take(v, s, normalize)
-            o, carry = inter_block(qs, ks, vs, fwd, n0, n1, carry, reverse=False)
+            o, carry = inter_block(qs, ks, vs, g.fwd, n0, n1, carry, reverse=False)
             o.add_(((qs @ ks.transpose(-1, -2)) * W) @ vs)
             if bidirectional:
                 partial[s] = o
@@ -165,9 +183,9 @@ class _ChunkAttention(torch.autograd.Function):
                 finish(o, s)
         if bidirectional:
             carry = q.new_zeros(B, H, Dk, Dv)
-            for n0, n1 in reversed(blocks):
+            for n0, n1 in reversed(g.blocks):
                 s = slice(n0, n1)
-                o, carry = inter_block(_take(q, s), _take(k, s), _take(v, s, normalize), bwd, n0, n1, carry,
+                o, carry = inter_block(_take(q, s), _take(k, s), _take(v, s, normalize), g.bwd, n0, n1, carry,
                                        reverse=True)
                 finish(o.add_(partial[s]), s)
         ctx.save_for_backward(q, k, v, log_f, log_b, y, den)
@@ -181,10 +199,8 @@ class _ChunkAttention(torch.autograd.Function):
         B, H, N, _, Dk = q.shape
         Dv = v.shape[-1] + normalize
         dtype = q.dtype
-        fwd, bwd = make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype)
-        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        strict = lower.tril(-1)
-        blocks = _blocks(N, C)
+        g = _grid(log_f, log_b, N, C, dtype, q.device)
+        fwd, bwd = g.fwd, g.bwd
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
         def grad_out(s: slice) -> Tensor:
@@ -206,11 +222,10 @@ class _ChunkAttention(torch.autograd.Function):
         # then the between-chunk parts whose states run left to right (forward direction's dq, backward
         # direction's dk and dv), then those running right to left.
         c_dq, c_dk, c_dv = q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dk, Dv)
-        for n0, n1 in blocks:
+        for n0, n1 in g.blocks:
             s = slice(n0, n1)
             qs, ks, vs, dos = _take(q, s), _take(k, s), _take(v, s, normalize), grad_out(s)
-            Wf = intra_decay(fwd, n0, n1, lower, dtype)
-            Wb = intra_decay(bwd, n0, n1, strict, dtype).transpose(-1, -2) if bidirectional else None
+            Wf, Wb = _masks(g, n0, n1, bidirectional, dtype)
             W = Wf + Wb if Wb is not None else Wf
             qk, dov = qs @ ks.transpose(-1, -2), dos @ vs.transpose(-1, -2)
             dovW = dov * W
@@ -234,7 +249,7 @@ class _ChunkAttention(torch.autograd.Function):
             _put(dk, s, dk_s)
             put_dv(s, dv_s)
         c_dk, c_dv, c_dq = q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dk, Dv), q.new_zeros(B, H, Dv, Dk)
-        for n0, n1 in reversed(blocks):
+        for n0, n1 in reversed(g.blocks):
             s = slice(n0, n1)
             qs, ks, vs, dos = _take(q, s), _take(k, s), _take(v, s, normalize), grad_out(s)
             dk_f, c_dk = inter_block(vs, dos, qs, fwd, n0, n1, c_dk, reverse=True)
