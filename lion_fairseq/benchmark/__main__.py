@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import operator as op
+from .operator import fmt
 from .layer import LIMITS
 from .plotting import against_length, pyplot
 
@@ -51,12 +52,6 @@ def configs() -> List[tuple]:
     """(name, kind, form) of every layer measured: softmax twice, each LION variant in each form."""
     out = [("softmax", "softmax", "chunk"), ("softmax (attn dropout 0.1)", "softmax_ad", "chunk")]
     return out + [(f"lion_{v} {f}", v, f) for v in VARIANTS for f in FORMS]
-
-
-def fmt(x: Optional[float], digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.{digits}f}" if x < 10 else f"{x:.1f}"
 
 
 def cell(r: Dict, key: str) -> str:

@@ -28,6 +28,11 @@ LIMITS = {("parallel", "fwd"): 4096, ("parallel", "fwdbwd"): 2048, ("recurrent",
           ("softmax_ad", "fwdbwd"): 8192}
 
 
+def limit(kind: str, form: str, mode: str) -> int:
+    """The longest L run for a layer and mode (softmax layers by kind, LION layers by form)."""
+    return LIMITS.get((kind if kind.startswith("softmax") else form, mode), 1 << 30)
+
+
 def build_layer(kind: str, form: str, chunk_size: int) -> nn.Module:
     """``softmax``: fairseq's ``TransformerEncoderLayer`` as RoBERTa builds it; ``lit``/``d``/``s``: the
     ``LionEncoderLayer`` that ``--arch lion_<kind>`` builds, in the given form."""
@@ -70,7 +75,7 @@ def measure(kind: str, form: str, L: int, threads: int, chunk_size: int, repeats
         _call(layer, x)
     out["peak_mib"] = _maxrss_mib() - base
     for mode in modes:
-        if L > LIMITS.get((kind if kind.startswith("softmax") else form, mode), 1 << 30):
+        if L > limit(kind, form, mode):
             out[mode] = None
             continue
         best = float("inf")
@@ -100,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
-    if args.L > LIMITS.get((args.kind if args.kind.startswith("softmax") else args.form, "fwd"), 1 << 30):
+    if args.L > limit(args.kind, args.form, "fwd"):
         print(json.dumps({"fwd": None, "fwdbwd": None, "peak_mib": None}))
         return
     print(json.dumps(measure(args.kind, args.form, args.L, args.threads, args.chunk_size, args.repeats,

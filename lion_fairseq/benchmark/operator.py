@@ -123,10 +123,11 @@ def run_child(args: argparse.Namespace, impl: str, L: int) -> Dict[str, Optional
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def fmt(x: Optional[float], unit: str = "") -> str:
+def fmt(x: Optional[float], digits: int = 3) -> str:
+    """A measurement for a table: ``digits`` decimals below 10, one above, ``-`` when not measured."""
     if x is None:
         return "-"
-    return f"{x:.3f}{unit}" if x < 10 else f"{x:.1f}{unit}"
+    return f"{x:.{digits}f}" if x < 10 else f"{x:.1f}"
 
 
 def table(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str:

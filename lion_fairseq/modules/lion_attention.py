@@ -95,6 +95,10 @@ class LionAttention(nn.Module):
                 "The input or the weights are already broken: check the data and the previous layer, or lower "
                 "--lr / clip gradients (--clip-norm); in fp16 use loss scaling or train in bf16")
 
+    def _keys_values(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Feature-mapped keys and values, ``(B, H, T, D)`` each, of ``x`` ``(T, B, C)``."""
+        return self.phi(self._heads(self.k_proj(x))), self._heads(self.v_proj(x))
+
     def _heads(self, x: Tensor) -> Tensor:
         T, B, _ = x.shape
         return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
@@ -111,8 +115,7 @@ class LionAttention(nn.Module):
         if C != self.embed_dim:
             raise ValueError(f"input has {C} channels; this LionAttention was built for {self.embed_dim}")
         q = self.phi(self._heads(self.q_proj(x)))
-        k = self.phi(self._heads(self.k_proj(x)))
-        v = self._heads(self.v_proj(x))
+        k, v = self._keys_values(x)
         log_lam = self.log_gates(x)
         if incremental_state is not None:
             if not self.causal:
@@ -219,13 +222,14 @@ class LionAttention(nn.Module):
             else:
                 head_gate = log_lam
             if i > 0:  # the first block's right state is read by no block
-                k, v = self.phi(self._heads(self.k_proj(x))), self._heads(self.v_proj(x))
+                k, v = self._keys_values(x)
                 right = state_before(right, k, v, gates(s, e)[1], mask(s, e))
         left = None
         for i in range(n):
             s, e = edges[i], edges[i + 1]
             x = source(s, e)
-            q, k, v = self.phi(self._heads(self.q_proj(x))), self.phi(self._heads(self.k_proj(x))), self._heads(self.v_proj(x))
+            q = self.phi(self._heads(self.q_proj(x)))
+            k, v = self._keys_values(x)
             f, b = gates(s, e)
             y = block_attention(q, k, v, f, b, left, rights[i], form=self.form, normalize=self.normalize,
                                 key_padding_mask=mask(s, e), chunk_size=self.chunk_size, eps=self.eps)

@@ -67,8 +67,7 @@ class LionTwoScanAttention(LionAttention):
         if C != self.embed_dim:
             raise ValueError(f"input has {C} channels; this attention was built for {self.embed_dim}")
         q = self.phi(self._heads(self.q_proj(x)))
-        k = self.phi(self._heads(self.k_proj(x)))
-        v = self._heads(self.v_proj(x))
+        k, v = self._keys_values(x)
         v = v.to(torch.promote_types(v.dtype, torch.float32))  # sums of both halves in float32 at least
         if self.normalize:  # the row sums ride along as a column of ones
             v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)

@@ -1,5 +1,5 @@
 """``lion_attention``: argument checks and the choice of form. The math lives in the form modules."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,6 +29,15 @@ def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: tor
     while a.dim() < 3:
         a = a.unsqueeze(0)
     return a.expand(a.shape[0], a.shape[1], L)
+
+
+def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Zero the keys and values at padding (``key_padding_mask`` ``(B, L)``, True there): they then add
+    nothing to any state or score. k: ``(B, H, L, Dk)``, v: ``(B, H, L, Dv)``."""
+    if key_padding_mask is None:
+        return k, v
+    pad = key_padding_mask[:, None, :, None]
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
@@ -74,9 +83,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     # fla's kernels take 16-bit inputs as they are (float32 inside); the PyTorch forms compute in float32
     work = v.dtype if use_fla and q.dtype == k.dtype == v.dtype else dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
-    if key_padding_mask is not None:
-        pad = key_padding_mask[:, None, :, None]
-        k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+    k, v = mask_padded_keys(k, v, key_padding_mask)
     if causal:
         log_a_bwd = None
 

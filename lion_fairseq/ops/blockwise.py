@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .attention import lion_attention
+from .attention import lion_attention, mask_padded_keys
 from .recurrent import causal_state
 
 State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
@@ -34,18 +34,11 @@ def _gates(log_a: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
     return log_a.expand(k.shape[:3]) if log_a is not None else None
 
 
-def _masked(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    if key_padding_mask is None:
-        return k, v
-    pad = key_padding_mask[:, None, :, None]
-    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-
-
 def state_after(left: Optional[State], k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
                 key_padding_mask: Optional[Tensor] = None) -> State:
     """The left state after the block from the one before it (None at the start of the sequence).
     k: ``(B, H, n, Dk)``, v: ``(B, H, n, Dv)``, log_a_fwd: ``(B, H, n)`` or None, key_padding_mask ``(B, n)``."""
-    k, v = _masked(k, v, key_padding_mask)
+    k, v = mask_padded_keys(k, v, key_padding_mask)
     f = _gates(log_a_fwd, k)
     return _carry(left, f, causal_state(k, v, f))
 
@@ -54,7 +47,7 @@ def state_before(right: Optional[State], k: Tensor, v: Tensor, log_a_bwd: Option
                  key_padding_mask: Optional[Tensor] = None) -> State:
     """The right state at the block's first token from the one after its last (None at the end of the
     sequence): the left state of the block read backwards."""
-    k, v = _masked(k, v, key_padding_mask)
+    k, v = mask_padded_keys(k, v, key_padding_mask)
     b = _gates(log_a_bwd, k)
     return _carry(right, b, causal_state(k.flip(-2), v.flip(-2), b.flip(-1) if b is not None else None))
 
