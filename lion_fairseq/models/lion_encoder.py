@@ -27,8 +27,8 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
-from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, lion_positions,
-                           set_unset, set_unset_from)
+from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
+                           lion_positions, set_unset, set_unset_from)
 
 logger = logging.getLogger(__name__)
 
@@ -273,15 +273,8 @@ def lion_roberta_base(args: Any) -> None:
     set_unset_from(args, LionEncoderConfig)
 
 
-def _make_arch(variant: str, size: Dict[str, int]):
-    def arch(args: Any) -> None:
-        set_unset(args, dict(size, lion_variant=variant))
-        lion_roberta_base(args)
-    return arch
-
-
 for _prefix, _variant in VARIANT_OF_ARCH.items():
     for _suffix, _size in SIZES.items():
         if _prefix == "lion_retnet" and _suffix:
             continue  # lion_retnet is an alias of the base-size lion_d only (SPEC section 4)
-        register_model_architecture("lion_roberta", _prefix + _suffix)(_make_arch(_variant, _size))
+        register_model_architecture("lion_roberta", _prefix + _suffix)(arch_filling(_variant, _size, lion_roberta_base))

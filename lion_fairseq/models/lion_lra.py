@@ -31,8 +31,8 @@ from torch import Tensor
 from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
-from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, set_unset,
-                           set_unset_from)
+from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
+                           set_unset, set_unset_from)
 
 ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
@@ -172,13 +172,7 @@ def lion_lra_base(args: Any) -> None:
     set_unset_from(args, LionLRAConfig)
 
 
-def _make_arch(variant: str, size: Dict[str, Any]):
-    def arch(args: Any) -> None:
-        set_unset(args, dict(size, lion_variant=variant))
-        lion_lra_base(args)
-    return arch
-
-
 for _variant in ("lit", "d", "s"):
     for _task, _size in SIZES.items():
-        register_model_architecture("lion_lra", f"lion_{_variant}_lra_{_task}")(_make_arch(_variant, _size))
+        register_model_architecture("lion_lra", f"lion_{_variant}_lra_{_task}")(
+            arch_filling(_variant, _size, lion_lra_base))

@@ -1,7 +1,7 @@
 """The LION options shared by every arch (``--lion-*``), as a fairseq dataclass."""
 import argparse
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
@@ -63,6 +63,14 @@ def set_unset(args: Any, values: Dict[str, Any]) -> None:
     for name, value in values.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+
+
+def arch_filling(variant: str, size: Dict[str, Any], base: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An arch function: ``size`` and the variant for every option left unset, then ``base`` for the rest."""
+    def arch(args: Any) -> None:
+        set_unset(args, dict(size, lion_variant=variant))
+        base(args)
+    return arch
 
 
 def set_unset_from(args: Any, config_cls: type) -> None:
