@@ -7,6 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, flash-linear-attention's Triton kernels run under Triton's CPU interpreter
+# (tests/triton_interpreter.py). Triton reads this when a kernel is defined, i.e. when fla is imported:
+# before any test module can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DIR = str(ROOT / "lion_fairseq")
@@ -34,6 +41,18 @@ def fairseq_cli(module: str, *args: str, cwd=None, timeout=900) -> subprocess.Co
         raise AssertionError(f"fairseq_cli.{module} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def build_model(data: Path, task: str, *args: str):
+    """(task, model) as fairseq-train builds them from ``data`` and command-line ``args``, in train mode."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    ns = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--task", task, *args])
+    cfg = convert_namespace_to_omegaconf(ns)
+    t = tasks.setup_task(cfg.task)
+    return t, t.build_model(cfg.model)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from ..ops import FORMS, block_attention, causal_state, lion_attention, lion_step, state_after, state_before
+from ..ops.float32 import float32_math
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
 
 VARIANTS = ("lit", "d", "s")
@@ -29,6 +30,14 @@ def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: st
         raise ValueError(f"--lion-feature-map {feature_map} gives scores of either sign, so the row "
                          "normaliser can divide by zero: add --no-lion-normalize (and usually "
                          "--lion-norm-after), or pick --lion-feature-map elu or silu_norm")
+
+
+@float32_math
+def float32_linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    """``layer(x)`` in float32 whatever the dtypes of ``x`` and the weights (and under autocast): the gate
+    logits, which every later position's decay compounds."""
+    bias = layer.bias.float() if layer.bias is not None else None
+    return F.linear(x.float(), layer.weight.float(), bias)
 
 
 @with_incremental_state
@@ -80,14 +89,18 @@ class LionAttention(nn.Module):
             self._check_finite(logits, "its learned gate logits (gate_logit parameter)")
             return F.logsigmoid(logits)[:, None]
         if self.variant == "s":
-            logits = self.gate_proj(x).float()
+            logits = float32_linear(self.gate_proj, x)
             self._check_finite(logits, "the gate logits gate_proj(x) (the hidden states x, or gate_proj's weights)")
             return F.logsigmoid(logits).permute(1, 2, 0)
         return None
 
     def _check_finite(self, logits: Tensor, what: str) -> None:
-        """A NaN/inf gate would spread to every later position through the state: report it (one
-        reduction per call). FloatingPointError is what fairseq's trainer reports a NaN with."""
+        """At inference, a NaN/inf gate would spread to every later position through the state: report it
+        (one reduction and one host sync per call). In training the check is not made: a non-finite value
+        reaches the loss and the gradients, where fairseq's loss scaler skips the step (--fp16, --amp) or
+        its NaN detector reports it, on every rank alike; and training makes no host sync here."""
+        if self.training:
+            return
         if not bool(torch.isfinite(logits).all()):
             bad = int((~torch.isfinite(logits)).sum())
             raise FloatingPointError(
@@ -116,6 +129,8 @@ class LionAttention(nn.Module):
             raise ValueError(f"input has {C} channels; this LionAttention was built for {self.embed_dim}")
         q = self.phi(self._heads(self.q_proj(x)))
         k, v = self._keys_values(x)
+        if not self.normalize and v.dtype == torch.float16:
+            v = v.float()  # an unnormalised sum over T keys can pass fp16's 65504: the output stays float32
         log_lam = self.log_gates(x)
         if incremental_state is not None:
             if not self.causal:
@@ -135,8 +150,9 @@ class LionAttention(nn.Module):
         return F.pad(log_lam[..., :-1], (1, 0)), F.pad(log_lam[..., 1:], (0, 1))
 
     def _output(self, y: Tensor) -> Tensor:
-        if self.head_norm is not None:
-            y = self.head_norm(y)
+        if self.head_norm is not None:  # in float32: y may be an unnormalised sum, float32 to keep its range
+            norm = self.head_norm
+            y = F.layer_norm(y.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
         B, H, T, D = y.shape
         y = y.permute(2, 0, 1, 3).reshape(T, B, H * D)
         return self.out_proj(y.to(self.out_proj.weight.dtype))

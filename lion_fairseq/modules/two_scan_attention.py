@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..lra.ordering import inverse, ordering
 from ..ops import lion_attention
-from .lion_attention import LionAttention
+from .lion_attention import LionAttention, float32_linear
 
 SCANS = ("row_snake", "col_snake")
 
@@ -52,7 +52,7 @@ class LionTwoScanAttention(LionAttention):
             return self.log_gates(x)
         if self.variant == "d":
             return F.logsigmoid(self.col_gate_logit.float())[:, None]
-        return F.logsigmoid(self.col_gate_proj(x).float()).permute(1, 2, 0)
+        return F.logsigmoid(float32_linear(self.col_gate_proj, x)).permute(1, 2, 0)
 
     def forward(self, x: Tensor, key_padding_mask: Optional[Tensor] = None,
                 incremental_state: Optional[dict] = None) -> Tensor:

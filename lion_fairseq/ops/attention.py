@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from .chunk import chunk_attention
-from .fla import fla_attention, fla_available
+from .float32 import float32_math
+from .fla import fla_attention, fla_available, fla_refuses, warn_once
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
 
@@ -40,6 +41,7 @@ def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -
     return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
+@float32_math
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
                    log_a_bwd: Optional[Tensor] = None, *, form: str = "parallel", causal: bool = False,
                    normalize: bool = True, key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64,
@@ -53,14 +55,15 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             ``M_ij = b_i...b_{j-1}`` for ``i < j`` (0 when ``causal``; ``log_a_bwd`` is then ignored).
         form: ``"parallel"`` (L x L matrix), ``"chunk"`` (chunkwise state passing) or ``"recurrent"``
             (two RNN scans); all three compute the same function. On CUDA, ``"chunk"`` runs
-            flash-linear-attention's Triton kernels when they are installed (``pip install fla-core``),
-            taking bf16/fp16 inputs as they are; ``LION_FLA=0`` in the environment turns that off.
+            flash-linear-attention's Triton kernels when they are installed (``pip install fla-core``)
+            and accept the call (else, with a warning, the PyTorch form); ``LION_FLA=0`` in the
+            environment turns that off.
         normalize: divide each row by ``sum_j A_ij + eps``.
         key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
         chunk_size: tokens per chunk of the chunk form.
     Returns:
-        ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs), on fla with
-        float32 accumulation.
+        ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs) whatever the
+        input dtype, with autocast off (fairseq's ``--amp``), on fla too.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
@@ -80,9 +83,15 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     out_dtype = v.dtype
     use_fla = form == "chunk" and fla_available(v)
-    # fla's kernels take 16-bit inputs as they are (float32 inside); the PyTorch forms compute in float32
-    work = v.dtype if use_fla and q.dtype == k.dtype == v.dtype else dtype
-    q, k, v = q.to(work), k.to(work), v.to(work)
+    if use_fla:
+        gated = log_a_fwd is not None or (log_a_bwd is not None and not causal)
+        needs_grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
+        refusal = fla_refuses(v, gated, needs_grad)
+        if refusal:
+            warn_once(refusal)
+            use_fla = False
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     k, v = mask_padded_keys(k, v, key_padding_mask)
     if causal:
         log_a_bwd = None

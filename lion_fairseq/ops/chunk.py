@@ -38,23 +38,40 @@ def make_decay(log_a: Optional[Tensor], N: int, C: int, dtype: torch.dtype) -> O
     return Decay(c, c.to(dtype).exp(), (c[..., -1:] - c).to(dtype).exp(), c[..., -1].to(dtype).exp())
 
 
-# the largest |c - r| whose exp is finite in the dtype, with a margin
-_FACTOR_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
+# Tokens per sub-block of a chunk's decay matrix: the diagonal sub-blocks take exact differences
+# (C * SUB exps), the rest of the lower triangle a rank-1 product per row sub-block.
+SUB = 16
 
 
 def intra_decay(d: Optional[Decay], n0: int, n1: int, tri: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(n1-n0, B, H, C, C)`` decays inside chunks n0..n1-1, zero outside the triangle ``tri``."""
+    """``(n1-n0, B, H, C, C)`` decays ``exp(c_i - c_j)`` inside chunks n0..n1-1, zero outside the
+    triangle ``tri`` (the lower one, with or without its diagonal).
+
+    Every exponent is <= 0, whatever the gates, and nothing is decided on the host (no device sync).
+    Rows are grouped in sub-blocks of ``SUB`` tokens; for row i in sub-block p and a column j before it,
+    ``exp(c_i - c_j) = exp(c_i - a_p) * exp(a_p - c_j)`` with the anchor ``a_p`` the cumulative log-gate
+    just before sub-block p, and both factors are decays (c does not increase). Each is exp'd in float64
+    and rounded once, so the product is within a few ulps of the exact decay; inside the diagonal
+    sub-blocks the exact differences are exp'd."""
     if d is None:
         return tri.to(dtype)
-    c = d.cum[n0:n1]
-    # exp(c_i - c_j) = exp(c_i - r) exp(r - c_j) with r the chunk's midpoint: an outer product of two
-    # factors, each exp'd in float64 and rounded once (so within a few ulps of the exact decay), instead
-    # of C x C float64 differences and exps. The factors must not overflow; a block with a steeper chunk
-    # takes the differences.
-    r = (c[..., :1] + c[..., -1:]) / 2
-    if float((c[..., 0] - c[..., -1]).max()) <= 2 * _FACTOR_LIMIT[dtype]:
-        return ((c - r).exp().to(dtype)[..., :, None] * (r - c).exp().to(dtype)[..., None, :]).masked_fill_(~tri, 0.0)
-    return (c[..., :, None] - c[..., None, :]).masked_fill_(~tri, float("-inf")).to(dtype).exp_()
+    c = d.cum[n0:n1]  # (n, B, H, C) float64, non-increasing along C
+    C = c.shape[-1]
+    S = min(SUB, C)
+    P = -(-C // S)
+    if P * S > C:  # pad with the last value (gate 1): the extra rows and columns are cropped below
+        c = torch.cat([c, c[..., -1:].expand(*c.shape[:-1], P * S - C)], dim=-1)
+    blocks = c.view(*c.shape[:-1], P, S)
+    anchor = F.pad(blocks[..., :-1, -1], (1, 0))  # (..., P): c before each sub-block (0 before the chunk)
+    rows = (blocks - anchor[..., None]).exp().to(dtype)  # (..., P, S)
+    before = torch.arange(P * S, device=c.device)[None, :] < (torch.arange(P, device=c.device) * S)[:, None]
+    cols = (anchor[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp().to(dtype)
+    W = rows[..., :, :, None] * cols[..., :, None, :]  # (..., P, S, P*S): the sub-blocks left of the diagonal
+    diag = (blocks[..., :, None] - blocks[..., None, :]).masked_fill(~tri[:S, :S], float("-inf")).exp()
+    W = W.view(*W.shape[:-3], P, S, P, S)
+    W.diagonal(dim1=-4, dim2=-2).copy_(diag.movedim(-3, -1))
+    W = W.view(*W.shape[:-4], P * S, P * S)
+    return W[..., :C, :C].contiguous() if P * S > C else W
 
 
 def _scale(x: Tensor, s: Optional[Tensor]) -> Tensor:

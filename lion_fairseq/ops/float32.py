@@ -1,0 +1,22 @@
+"""``float32_math``: the operator's functions run with autocast off.
+
+Under fairseq's ``--amp`` the forward runs inside ``torch.autocast`` (fp16), which casts the inputs of
+every matmul to fp16 whatever their dtype, so an op that converts to float32 first would still multiply
+in fp16, and a row sum over L keys passes fp16's 65504. The ops' float32 is meant: they opt out."""
+import functools
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def float32_math(fn: F) -> F:
+    """Run ``fn`` with autocast disabled on the CPU and on CUDA; its own casts then decide the dtypes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

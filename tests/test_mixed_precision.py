@@ -1,0 +1,118 @@
+"""Mixed precision as fairseq runs it on a GPU cluster, with CPU autocast standing in for CUDA's (both
+cast the inputs of every matmul to the low precision): ``--amp`` runs the forward under autocast (fp16),
+bf16 alike. The operator keeps its sums in float32 whatever autocast does; a training step makes no host
+sync; a non-finite value in training reaches fairseq's loss scaler instead of stopping one rank."""
+import pytest
+import torch
+
+from conftest import build_model
+from lion_fairseq.benchmark.precision import relative_error
+
+TOLERANCE = {"fp16": 1e-2, "bf16": 2e-2}
+SOFTMAX_FACTOR = 20  # at most this many times the error of fairseq's softmax attention under the same autocast
+LONG = 4096
+
+
+@pytest.fixture(scope="module")
+def softmax_error():
+    """fairseq's MultiheadAttention at the same width and L = LONG, per dtype."""
+    return {dtype: relative_error("softmax", "-", LONG, dtype) for dtype in TOLERANCE}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("form, L", [("parallel", LONG), ("chunk", LONG), ("recurrent", LONG), ("chunk", 16384),
+                                     ("recurrent", 16384)])
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_attention_under_autocast_is_as_accurate_as_softmax(softmax_error, variant, form, L, dtype):
+    """LionAttention (width 256, 4 heads) under CPU autocast against itself in float64. LION-LIT's row
+    sums pass fp16's 65504 from L ~ 1000: autocast must not reach the operator's matmuls."""
+    err = relative_error(variant, form, L, dtype)
+    assert err <= TOLERANCE[dtype] and err <= SOFTMAX_FACTOR * softmax_error[dtype], (err, softmax_error[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("task, arch", [("masked_lm", "lion_lit_tiny"), ("masked_lm", "lion_d_tiny"),
+                                        ("masked_lm", "lion_s_tiny"), ("language_modeling", "lion_s_lm_tiny")])
+def test_model_forward_and_backward_under_autocast(text_data_bin, task, arch, dtype, one_thread):
+    """A whole model's features at L = 2048 and the gradients of its attention weights under autocast,
+    against the same model in float32: what fairseq's ``--amp`` step computes (loss scaling aside)."""
+    L = 2048
+    torch.manual_seed(0)
+    _, model = build_model(text_data_bin, task, "--arch", arch, "--tokens-per-sample", str(L), "--dropout", "0",
+                           "--lion-chunk-size", "64")
+    tokens = torch.randint(4, 100, (1, L), generator=torch.Generator().manual_seed(1))
+    attention = [p for name, p in model.named_parameters() if ".self_attn." in name]
+    results = {}
+    for autocast in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            features = model(tokens, features_only=True)[0].float()
+        weight = torch.randn(features.shape, generator=torch.Generator().manual_seed(2))
+        (features * weight).sum().backward()
+        results[autocast] = features.detach(), torch.cat([p.grad.flatten() for p in attention])
+    tol = TOLERANCE["fp16" if dtype == torch.float16 else "bf16"]
+    for name, (x16, x32) in zip(("features", "attention gradients"), zip(results[True], results[False])):
+        assert torch.isfinite(x16).all(), name
+        assert float((x16 - x32).norm() / x32.norm()) <= tol, name
+
+
+# ---- training makes no host sync, and lets fairseq handle what is not finite -----------------------------
+
+SYNCS = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+
+@pytest.fixture
+def host_syncs(monkeypatch):
+    """Every call of a Tensor method that copies a value to the host (a device sync on a GPU)."""
+    calls = []
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return calls
+
+
+def layers():
+    from lion_fairseq.modules import LionDecoderLayer, LionEncoderLayer
+    from lion_fairseq.modules.two_scan_attention import LionTwoScanAttention
+
+    for variant in ("lit", "d", "s"):
+        for form in ("parallel", "chunk", "recurrent"):
+            attention = dict(variant=variant, form=form, chunk_size=8)
+            yield f"encoder-{variant}-{form}", LionEncoderLayer(32, 2, 64, attention, attention_dropout=0.1)
+            yield f"decoder-{variant}-{form}", LionDecoderLayer(32, 64, 2, attention)
+            yield f"two-scan-{variant}-{form}", LionTwoScanAttention(32, 2, variant, form=form, chunk_size=8,
+                                                                   height=4, width=5)
+
+
+def test_training_step_of_every_layer_makes_no_host_sync(host_syncs):
+    """Forward and backward in train mode, with padding, in every variant and form: no ``.item()``,
+    ``bool()``, ``float()``, ``int()`` or ``.tolist()`` on a tensor (each one a device->host sync per layer
+    and step on a GPU)."""
+    pad = torch.zeros(3, 20, dtype=torch.bool)
+    pad[0, -5:] = True
+    for name, layer in layers():
+        x = torch.randn(20, 3, 32, requires_grad=True)
+        host_syncs.clear()
+        layer.train()(x, pad).sum().backward()
+        assert not host_syncs, f"{name}: {host_syncs}"
+        assert torch.isfinite(x.grad).all(), name
+
+
+def test_nan_in_training_reaches_the_loss_and_gradients(text_data_bin):
+    """fairseq's trainer takes a FloatingPointError from the forward as fatal (crash.pt, and only the rank
+    that raised stops); a non-finite loss or gradient it handles: the fp16/amp loss scaler skips the step,
+    otherwise its NaN detector reports it on every rank alike. So training lets a NaN through."""
+    _, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny", "--tokens-per-sample", "32")
+    with torch.no_grad():
+        model.encoder.sentence_encoder.embed_tokens.weight[7] = float("nan")
+    tokens = torch.full((1, 12), 9)
+    tokens[0, 5] = 7
+    loss = model.train()(tokens)[0].float().logsumexp(-1).sum()
+    loss.backward()
+    assert torch.isnan(loss)
+    assert not torch.isfinite(model.encoder.sentence_encoder.embed_tokens.weight.grad).all()
