@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-stamp_src() { cat "$ROOT/setup.py" "$ROOT/requirements.txt" "$ROOT/scripts/env.sh"; }
+stamp_src() { cat "$ROOT/setup.py" "$ROOT/requirements.txt" "$ROOT/requirements-interpreter.txt" "$ROOT/scripts/env.sh"; }
 want="$(stamp_src | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -19,6 +19,8 @@ if [ "$(cat "$VENV/.lion-stamp" 2>/dev/null)" != "$want" ]; then
   # (and with it a CUDA torch) out; its real run-time needs are in requirements.txt.
   pip install --no-deps "ve-fairseq==0.12.3"
   pip install -r "$ROOT/requirements.txt"
+  # fla's kernels under Triton's CPU interpreter, for the tests (this venv is CPU-only; ~1 GB)
+  pip install -r "$ROOT/requirements-interpreter.txt"
   pip install --no-deps -e "$ROOT"
   echo "$want" > "$VENV/.lion-stamp"
 fi

@@ -1,14 +1,16 @@
 """LION on flash-linear-attention (lion_fairseq/ops/fla.py).
 
-On CPU, fla's kernel is replaced by a naive float64 twin of its documented contract (the recurrence of
+Three levels. A naive float64 twin of fla's documented contract (the recurrence of
 fla/ops/simple_gla/naive.py, naive_recurrent_simple_gla), which also asserts the input rules the real
-kernel has; so the flips, shifts and gate placement of ``fla_attention`` are checked here against the
-literal reference, with gradients. On CUDA with fla installed, the real kernels are checked against the
-PyTorch chunk form."""
+kernel has, checks the flips, shifts and gate placement of ``fla_attention`` to float64 round-off. fla's
+real Triton kernels then run on CPU under Triton's interpreter (tests/triton_interpreter.py) against the
+float64 reference, values and gradients, and at L = 32768 where fp16 would overflow. On CUDA with fla
+installed, the compiled kernels are checked against the PyTorch chunk form."""
 import os
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import lion_fairseq.ops.attention as attention_mod
 import lion_fairseq.ops.fla as fla_mod
 from lion_fairseq.ops import lion_attention
 from lion_fairseq.ops.fla import fla_attention, fla_available
+import triton_interpreter
 from reference import fast_reference_attention, reference_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,16 +151,15 @@ def test_lion_attention_chunk_goes_through_fla_when_available(naive_fla, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_inputs_reach_fla_in_their_dtype(naive_fla, monkeypatch, dtype):
-    """bf16/fp16 stay 16-bit on their way to the kernel (fla's speed), with head dims padded to even;
-    the two directions are summed and normalised in float32."""
+def test_16bit_inputs_reach_fla_in_float32(naive_fla, monkeypatch, dtype):
+    """bf16/fp16 inputs reach the kernel in float32 (fla would return, and store its states, in the input
+    dtype: fp16 overflows past 65504 and bf16 rounds the row sums); the result is in the input dtype."""
     monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
     inputs = make_inputs(40, "token", dtype=dtype, dk=6, dv=4)
     q, k, v, f, b = inputs
     y = lion_attention(q, k, v, f.float(), b.float(), form="chunk")
     assert y.dtype == dtype
-    assert [c[0] for c in naive_fla] == [dtype, dtype] and all(c[1] % 2 == 0 and c[2] % 2 == 0 for c in naive_fla)
-    assert all(c[3] == torch.float32 for c in naive_fla)
+    assert naive_fla == [(torch.float32, 8, 8, torch.float32)] * 2
     ref = reference_attention(*[x.double() for x in inputs])
     assert rel_rms(y, ref) < 1e-2
 
@@ -233,6 +235,126 @@ def test_gpu_benchmark_refuses_clearly_without_cuda_or_fla(tmp_path):
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert ("needs a CUDA GPU" if not torch.cuda.is_available() else "LION_FLA=0") in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- fla refusing a call: detected before it runs, the PyTorch form instead ----
+
+def fake_cuda(monkeypatch, capability, triton_version):
+    """A tensor stand-in on a CUDA device of that capability, with that Triton installed."""
+    triton = types.ModuleType("triton")
+    triton.__version__ = triton_version
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return types.SimpleNamespace(is_cuda=True, device="cuda:0")
+
+
+@pytest.mark.parametrize("capability, version, refused", [
+    ((9, 0), "3.4.0", True), ((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False), ((9, 0), "3.3.1", False),
+    ((8, 0), "3.5.0", False), ((10, 0), "3.5.0", False)])
+def test_fla_refusal_is_known_before_the_call(monkeypatch, capability, version, refused):
+    """fla 0.6 raises in the backward of a gated call on Hopper with 3.4 <= Triton < 3.7.1 (fla #640)."""
+    x = fake_cuda(monkeypatch, capability, version)
+    assert bool(fla_mod.fla_refuses(x, gated=True, needs_grad=True)) == refused
+    assert fla_mod.fla_refuses(x, gated=False, needs_grad=True) is None  # LION-LIT: no gate, no refusal
+    assert fla_mod.fla_refuses(x, gated=True, needs_grad=False) is None  # inference: the forward is fine
+    assert fla_mod.fla_refuses(torch.zeros(1), gated=True, needs_grad=True) is None  # CPU
+
+
+def test_refused_call_warns_once_and_runs_the_pytorch_form(naive_fla, monkeypatch):
+    fake = fake_cuda(monkeypatch, (9, 0), "3.5.0")
+    real = fla_mod.fla_refuses
+    monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
+    monkeypatch.setattr(attention_mod, "fla_refuses", lambda x, gated, needs_grad: real(fake, gated, needs_grad))
+    fla_mod.warn_once.cache_clear()
+    q, k, v, f, b = [x.float().requires_grad_() for x in make_inputs(20, "token")]
+    expected = lion_attention(*[x.detach() for x in (q, k, v, f, b)], form="chunk")
+    naive_fla.clear()  # the no-grad call above ran on fla: the forward alone is not refused
+    with pytest.warns(UserWarning, match="fla issue #640"):
+        y = lion_attention(q, k, v, f, b, form="chunk")
+    assert not naive_fla and torch.allclose(y, expected, atol=1e-6)
+    y.sum().backward()
+    assert torch.isfinite(f.grad).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lion_attention(q, k, v, f, b, form="chunk")  # warned once, not per call
+    lion_attention(q, k, v, None, None, form="chunk")  # LION-LIT trains on fla
+    assert len(naive_fla) == 2
+
+
+# ---- fla's real kernels on CPU, under Triton's interpreter ----
+
+needs_interpreter = pytest.mark.skipif(not triton_interpreter.AVAILABLE,
+                                       reason="needs triton and fla-core with TRITON_INTERPRET=1 (set without CUDA)")
+
+
+@pytest.fixture
+def real_fla(monkeypatch):
+    """lion_attention's chunk form on fla's own chunk_simple_gla, interpreted; yields the dtypes it got."""
+    triton_interpreter.install()
+    fla_mod._load.cache_clear()
+    kernel = fla_mod._load()
+    assert kernel is not None, "fla-core does not import"
+    calls = []
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.dtype)
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(fla_mod, "_load", lambda: counted)
+    monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
+    yield calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("L", [1, 70, 150])
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_real_fla_kernels_equal_the_reference_with_gradients(real_fla, L, gates, causal):
+    """fla's kernels in float32 through ``lion_attention``: both directions, each gate kind, one row
+    padded on the left and one on the right, values and gradients against the float64 definition."""
+    inputs = make_inputs(L, gates, dtype=torch.float32, seed=L)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, :L // 4] = True
+    mask[1, L - L // 3:] = True
+    kw = dict(causal=causal, key_padding_mask=mask)
+    fn = lambda *x: lion_attention(*x, form="chunk", **kw)  # noqa: E731
+    ref_fn = lambda *x: reference_attention(*x, **kw)  # noqa: E731
+    y, ref = fn(*inputs), ref_fn(*[x.double() if x is not None else None for x in inputs])
+    assert real_fla == [torch.float32] * (1 if causal else 2)
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight),
+                           grads(ref_fn, [x.double() if x is not None else None for x in inputs], weight)):
+        if rg is None or (causal and name == "log_a_bwd"):
+            continue
+        assert (g.double() - rg).abs().max() <= 1e-4 * rg.abs().max() + 1e-6, name
+
+
+def no_decay_reference(q, k, v, causal):
+    """LION-LIT's normalised attention in float64 by prefix sums, for L where an L x L matrix won't fit."""
+    q, k, v = q.double(), k.double(), v.double()
+    if causal:
+        S, z = torch.cumsum(k[..., :, None] * v[..., None, :], -3), torch.cumsum(k, -2)
+        return (q[..., None, :] @ S).squeeze(-2) / ((q * z).sum(-1, keepdim=True) + 1e-6), (q * z).sum(-1)
+    S, den = k.transpose(-1, -2) @ v, q @ k.sum(-2)[..., None]
+    return q @ S / (den + 1e-6), den.squeeze(-1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype, L, causal", [(torch.float16, 32768, False), (torch.bfloat16, 8192, True)])
+def test_real_fla_kernels_do_not_overflow_with_16bit_inputs(real_fla, dtype, L, causal):
+    """LION-LIT (no decay), row sums growing with L to 10-40 times fp16's 65504. 16-bit inputs reach fla in
+    float32, so its states, numerators and row sums are float32 sums; the output is the input dtype."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(1, 1, L, 16, generator=g) * 2 + 1).to(dtype), (torch.rand(1, 1, L, 16, generator=g) * 2 + 1).to(dtype)
+    v = torch.randn(1, 1, L, 16, generator=g).to(dtype)
+    with torch.no_grad():
+        y = lion_attention(q, k, v, form="chunk", causal=causal)
+    ref, row_sums = no_decay_reference(q, k, v, causal)
+    assert row_sums.max() > 8 * 65504
+    assert real_fla == [torch.float32] * (1 if causal else 2)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_rms(y, ref) < (1e-3 if dtype == torch.float16 else 8e-3)  # the output's own rounding
 
 
 # ---- the real kernels (CUDA with fla installed) ----

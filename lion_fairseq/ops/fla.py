@@ -5,21 +5,29 @@
 ``fla/ops/simple_gla/naive.py`` lines 61-94).
 
 fla is optional (``pip install fla-core``, the ``fla`` extra); ``fla_available`` says whether it can run
-on a tensor, and ``LION_FLA=0`` turns it off (the PyTorch chunk form runs instead)."""
+on a tensor, ``fla_refuses`` whether this fla/Triton/GPU would refuse the call, and ``LION_FLA=0`` turns it
+off (the PyTorch chunk form runs instead).
+
+Inputs reach fla in float32 whatever their dtype: fla returns its outputs, and stores the states between
+chunks, in the input dtype, and LION's numerator and row sum grow with L (LION-LIT's pass fp16's 65504
+near L = 1000). In float32 every sum that grows with L stays float32, on Ampere and later the kernels'
+products run in TF32 (Triton's default), and the attention's own kernel is a small part of a layer's
+work: both directions take about ``4 (chunk + D)`` multiply-adds per token and channel against the
+projections' and FFN's ``12 C``, 6% at C = 768 with chunks of 64 and D = 64."""
 import functools
 import importlib.util
 import os
+import re
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# fla's 16-bit backward rejects odd head dims (chunk_bwd_dv, fla/ops/common/chunk_o.py:604-606), and the
-# normaliser's column of ones makes Dv odd (65 for D = 64); zero columns up to a multiple of 8 also keep
-# every row 16-byte aligned.
+# the normaliser's column of ones makes Dv odd (65 for D = 64): zero columns up to a multiple of 8 keep
+# every row 32-byte aligned, and head dims even, as fla's 16-bit kernels require (chunk_o.py:604-606)
 ALIGN = 8
 
 
@@ -44,6 +52,32 @@ def fla_available(x: Tensor) -> bool:
             and _load() is not None)
 
 
+def _version(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def fla_refuses(x: Tensor, gated: bool, needs_grad: bool) -> Optional[str]:
+    """Why fla would refuse this call, or None. fla 0.6 raises in the *backward* of a gated call
+    (per-token or per-head decay, i.e. LION-D and LION-S) on Hopper GPUs with 3.4 <= Triton < 3.7.1,
+    whose results there are wrong (fla issue #640; fla/ops/common/chunk_o.py, chunk_bwd_dqkwg; tilelang
+    does not serve simple_gla). By then the forward has run: it must be known before."""
+    if not (gated and needs_grad and x.is_cuda):
+        return None
+    import triton
+
+    major, _ = torch.cuda.get_device_capability(x.device)
+    if major == 9 and (3, 4) <= _version(triton.__version__) < (3, 7, 1):
+        return (f"flash-linear-attention's gated backward is wrong on Hopper GPUs with Triton "
+                f"{triton.__version__} (fla issue #640; it raises): LION-D/S train with the PyTorch chunk form "
+                "instead. Install Triton >= 3.7.1 (with a torch build that accepts it) to train on fla's kernels")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(message: str) -> None:
+    warnings.warn(message)
+
+
 def _gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]) -> Tensor:
     """fla's ``o_i = sum_{j <= i} exp(g_{j+1} + ... + g_i) (q_i . k_j) v_j`` on fla's layout: q, k
     ``(B, L, H, Dk)``, v ``(B, L, H, Dv)`` contiguous, one dtype; g ``(B, L, H)`` float32 or None (no decay).
@@ -66,9 +100,9 @@ def fla_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], 
     """``o = ((q k^T) * M) v`` with LION's mask ``M`` (SPEC section 1), both directions on fla's kernels.
 
     q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)`` (the normaliser as its last column if wanted), all in one
-    dtype of ``FLA_DTYPES`` (16-bit stays 16-bit: fla accumulates in float32); log-gates ``(B, H, L)``
-    ``<= 0`` or None (gate 1). Returns ``(B, H, L, Dv)`` in float32 (float64 for float64 inputs), the two
-    directions summed in that precision. Differentiable in every tensor input."""
+    dtype of ``FLA_DTYPES`` (``lion_attention`` passes float32, see the module's docstring); log-gates
+    ``(B, H, L)`` ``<= 0`` or None (gate 1). Returns ``(B, H, L, Dv)`` in float32 (or the inputs' wider
+    dtype), the two directions summed in that precision. Differentiable in every tensor input."""
     Dv = v.shape[-1]
     acc = torch.promote_types(v.dtype, torch.float32)
     q, k, v = (_to_fla_layout(x) for x in (q, k, v))  # everything below is (B, L, H, ...)

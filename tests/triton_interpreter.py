@@ -1,0 +1,56 @@
+"""flash-linear-attention's real Triton kernels on CPU, under Triton's interpreter (``TRITON_INTERPRET=1``,
+set by conftest.py before fla is imported). Two patches of the interpreter, none of fla's files
+(measured with triton 3.9.0 and fla-core 0.6.0):
+
+- the autotuner benchmarks its configs on a device driver, of which the CPU has none ("0 active
+  drivers"): each kernel keeps its first config, as Triton does when only one is given;
+- the interpreter leaves the variable of a ``range``/``tl.range`` loop a Python int, where compiled Triton
+  makes it a tensor, so fla's ``i_t.to(tl.int64)`` fails: the AST rewriter that the interpreter runs over
+  every kernel makes it a tensor at the top of each such loop, as it already does for assignments.
+
+The interpreter computes 16-bit floats on their raw bits, so only float32 runs here, which is what
+``lion_attention`` hands fla (``ops/fla.py``)."""
+import ast
+import importlib.util
+import os
+from typing import Optional
+
+AVAILABLE = (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+             and importlib.util.find_spec("fla") is not None)
+
+
+def _loop_variable_as_tensor(node: ast.For) -> Optional[ast.Assign]:
+    """``i = interpreter_semantic.to_tensor(i, False)`` for ``for i in range(...)`` / ``tl.range(...)``."""
+    call = node.iter
+    if not (isinstance(call, ast.Call) and isinstance(node.target, ast.Name)):
+        return None
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+    if name != "range":
+        return None
+    to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                              ctx=ast.Load())
+    value = ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()), ast.Constant(value=False)],
+                     keywords=[])
+    return ast.copy_location(ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())], value=value), node)
+
+
+def install() -> None:
+    """Apply both patches (idempotent). Call before the first kernel runs: kernels are rewritten once."""
+    from triton.runtime import autotuner, interpreter
+
+    if getattr(interpreter.FunctionRewriter.ast_transformer, "lion_patched", False):
+        return
+    prune = autotuner.Autotuner.prune_configs
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+
+    class Transformer(type(interpreter.FunctionRewriter.ast_transformer)):
+        lion_patched = True
+
+        def visit_For(self, node: ast.For) -> ast.For:
+            node = self.generic_visit(node)
+            assign = _loop_variable_as_tensor(node)
+            if assign is not None:
+                node.body.insert(0, assign)
+            return node
+
+    interpreter.FunctionRewriter.ast_transformer = Transformer()
