@@ -11,8 +11,11 @@ any checkpoint (missing, truncated, which model and arch, what to pass).
 
 Checkpoints are read with torch's ``weights_only=True`` default; ``argparse.Namespace`` (the legacy
 ``args`` of older fairseq checkpoints) is allowed for the duration of the call only, never globally.
+torch before 2.5 has no such allowance (``torch.serialization.safe_globals``), and before 2.6 loads with
+``weights_only=False`` by default: there checkpoints load as fairseq loads them, with torch's default.
 """
 import argparse
+import contextlib
 import functools
 import os
 import re
@@ -52,17 +55,26 @@ def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
             f"or pass --restore-file <an intact checkpoint>.{hint}")
 
 
+def _namespace_allowed() -> contextlib.AbstractContextManager:
+    """``argparse.Namespace`` allowed in ``weights_only`` loads inside the block (torch >= 2.5); on older
+    torch, which has no such allowance and whose default load is not ``weights_only``, nothing."""
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    return safe_globals([argparse.Namespace]) if safe_globals is not None else contextlib.nullcontext()
+
+
 def _safe_load(path: str) -> Dict[str, Any]:
-    """``torch.load`` under the ``weights_only`` default, allowing ``argparse.Namespace`` for this call only."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """``torch.load`` of a checkpoint as fairseq loads it, allowing ``argparse.Namespace`` for this call
+    only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5)."""
+    weights_only = {"weights_only": True} if hasattr(torch.serialization, "safe_globals") else {}
+    with _namespace_allowed():
+        return torch.load(path, map_location="cpu", **weights_only)
 
 
 def _wrap_load_checkpoint_to_cpu(original):
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         try:
-            with torch.serialization.safe_globals([argparse.Namespace]):
+            with _namespace_allowed():
                 return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
         except (RuntimeError, EOFError, ValueError) as e:
             if isinstance(e, CheckpointError) or not os.path.isfile(str(path)):

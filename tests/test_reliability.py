@@ -15,13 +15,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models and installs the clear errors, as --user-dir does)
-from conftest import USER_DIR, build_model as build
+from conftest import ROOT, USER_DIR, build_model as build
 from lion_fairseq import clear_errors
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -40,11 +40,14 @@ TASKS = {  # one LM (LION-S, causal) and one MLM (LION-D, bidirectional)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def start(data: Path, args: List[str], log: Path, module: str = "train") -> subprocess.Popen:
-    """``python -m fairseq_cli.<module> data args`` in the background, stdout+stderr to ``log``."""
+def start(data: Path, args: List[str], log: Path, module: str = "train", command: Optional[List[str]] = None,
+          ) -> subprocess.Popen:
+    """``python -m fairseq_cli.<module> data args`` (or ``command data args``) in the background, in the
+    checkout, stdout+stderr to ``log``."""
+    command = command or [sys.executable, "-m", f"fairseq_cli.{module}"]
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", f"fairseq_cli.{module}", *([str(data)] if data else []), *args],
-                                env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([*command, *([str(data)] if data else []), *args], env=ENV, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
 
 
 def finish(procs: Dict[str, subprocess.Popen], logs: Dict[str, Path], timeout: float = 600) -> Dict[str, str]:
@@ -56,10 +59,15 @@ def finish(procs: Dict[str, subprocess.Popen], logs: Dict[str, Path], timeout: f
     return out
 
 
+def train_records(log: str) -> List[Dict]:
+    """The train_inner records of fairseq-train (``| train_inner | {...}``; ``INFO:train_inner:{...}`` from
+    the workers it spawns, which log in Python's default format) and of fairseq-hydra-train
+    (``[train_inner][INFO] - {...}``)."""
+    return [json.loads(m.group(1)) for m in re.finditer(r"train_inner(?: \| |\]\[INFO\] - |:)(\{.*\})", log)]
+
+
 def train_losses(log: str) -> List[float]:
-    """fairseq-train's (``| train_inner | {...}``) and fairseq-hydra-train's (``[train_inner][INFO] - {...}``)."""
-    return [float(json.loads(m.group(1))["loss"])
-            for m in re.finditer(r"train_inner(?: \||\]\[INFO\] -) (\{.*\})", log)]
+    return [float(r["loss"]) for r in train_records(log)]
 
 
 def params(ckpt: Path) -> Dict[str, torch.Tensor]:
@@ -86,8 +94,13 @@ def runs(text_data_bin, tmp_path_factory):
     - ``killed``: the same command, killed with SIGKILL once its checkpoint at HALF updates is written,
       then ``restart``: the same command again, in the same save dir;
     - ``ddp``: two processes (ranks 0 and 1), ``--distributed-world-size 2 --distributed-backend gloo
-      --cpu``, one batch of 4 each per update (``--distributed-no-spawn``: fairseq's own spawning counts
-      GPUs; ``--ddp-backend c10d`` hands torch a CUDA device id, see the next tests).
+      --cpu``, one batch of 4 each per update, started by hand (``--distributed-no-spawn``;
+      ``--ddp-backend c10d`` hands torch a CUDA device id, see the next tests);
+    - ``spawn``: the same two ranks launched as on one multi-GPU node: one ``fairseq-train
+      --distributed-world-size 2`` that spawns its workers, the machine reporting two devices
+      (tests/two_devices.py); ``--user-dir`` relative to the checkout for the LM, the path that
+      ``lion-fairseq-user-dir`` prints for the MLM;
+    - ``torchrun`` (LM): the two ranks launched by ``torchrun --nproc-per-node 2`` (``env://``).
 
     Returns ``{task: {"dir": {kind: save dir}, "log": {kind: text}, "rc_killed": int, "at_kill": state}}``.
     """
@@ -95,18 +108,28 @@ def runs(text_data_bin, tmp_path_factory):
     base = {t: [*COMMON, *TASKS[t], "--dropout", "0", "--batch-size", "4", "--max-update", str(UPDATES),
                 "--save-interval-updates", str(HALF)] for t in TASKS}
     procs, logs, out = {}, {}, {t: {"dir": {}, "log": {}} for t in TASKS}
+    two_devices = [sys.executable, str(ROOT / "tests" / "two_devices.py")]
+    entry_point = subprocess.run([str(Path(sys.executable).with_name("lion-fairseq-user-dir"))], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     for t in TASKS:
         port = free_port()
+        ranks = ["--distributed-world-size", "2", "--distributed-backend", "gloo", "--ddp-backend", DDP_BACKEND[t]]
         extra = {"straight": ["--update-freq", "2"], "killed": ["--update-freq", "2"]}
         for r in (0, 1):
-            extra[f"ddp{r}"] = ["--distributed-world-size", "2", "--distributed-rank", str(r), "--distributed-backend",
-                                "gloo", "--distributed-init-method", f"tcp://localhost:{port}", "--distributed-no-spawn",
-                                "--ddp-backend", DDP_BACKEND[t]]
+            extra[f"ddp{r}"] = [*ranks, "--distributed-rank", str(r), "--distributed-init-method",
+                                f"tcp://localhost:{port}", "--distributed-no-spawn"]
+        extra["spawn"] = [*ranks, "--user-dir", "lion_fairseq" if t == "lm" else entry_point]
+        commands = {"spawn": two_devices}
+        if t == "lm":
+            extra["torchrun"] = [*ranks, "--user-dir", entry_point]
+            commands["torchrun"] = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *two_devices[1:]]
         for kind, args in extra.items():
             save = root / f"{t}_{kind.rstrip('01')}"
             out[t]["dir"][kind.rstrip("01")] = save
             logs[t, kind] = root / f"{t}_{kind}.log"
-            procs[t, kind] = start(text_data_bin, [*base[t], *args, "--save-dir", str(save)], logs[t, kind])
+            procs[t, kind] = start(text_data_bin, [*base[t], *args, "--save-dir", str(save)], logs[t, kind],
+                                   command=commands.get(kind))
     deadline = time.time() + 600
     pending = set(TASKS)
     saved = re.compile(rf"Saved checkpoint .*\(epoch 1 @ {HALF} updates")
@@ -156,16 +179,21 @@ def test_sigkill_mid_epoch_then_same_command_reaches_the_same_parameters(runs, t
     assert not torch.equal(at_kill["model"][name], b[name])
 
 
-@pytest.mark.parametrize("task", list(TASKS))
-def test_two_gloo_processes_equal_one_process_with_update_freq_2(runs, task):
-    """Two CPU ranks with one batch each give the losses and weights of one process with two batches
-    per update (--update-freq 2)."""
-    ddp, one = runs[task]["log"]["ddp0"], runs[task]["log"]["straight"]
-    assert "distributed init (rank 1)" in ddp + runs[task]["log"]["ddp1"], ddp[-2000:]
-    records = [json.loads(m.group(1)) for m in re.finditer(r"\| train_inner \| (\{.*\})", ddp)]
+@pytest.mark.parametrize("task, launch", [("lm", "ddp"), ("mlm", "ddp"), ("lm", "spawn"), ("mlm", "spawn"),
+                                          ("lm", "torchrun")])
+def test_two_gloo_processes_equal_one_process_with_update_freq_2(runs, task, launch):
+    """Two CPU ranks with one batch each, however launched, give the losses and weights of one process with
+    two batches per update (--update-freq 2)."""
+    logs, one = runs[task]["log"], runs[task]["log"]["straight"]
+    if launch == "ddp":  # two processes started by hand, a log each
+        ddp, both = logs["ddp0"], logs["ddp0"] + logs["ddp1"]
+    else:  # one command launched both ranks, which write to its log
+        ddp = both = logs[launch]
+    assert "distributed init (rank 0)" in both and "distributed init (rank 1)" in both, ddp[-2000:]
+    records = train_records(ddp)
     assert [r["bsz"] for r in records] == ["8"] * UPDATES  # 2 ranks x 4 sentences in every update
     assert train_losses(ddp) == train_losses(one) and len(train_losses(one)) == UPDATES, (train_losses(ddp), train_losses(one))
-    a, b = params(runs[task]["dir"]["ddp"] / "checkpoint_last.pt"), params(runs[task]["dir"]["straight"] / "checkpoint_last.pt")
+    a, b = params(runs[task]["dir"][launch] / "checkpoint_last.pt"), params(runs[task]["dir"]["straight"] / "checkpoint_last.pt")
     for name in b:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=f"{task}: {name}")
 
@@ -329,6 +357,24 @@ def test_checkpoints_load_under_weights_only_without_turning_it_off(runs):
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(path)
     assert argparse.Namespace not in torch.serialization.get_safe_globals()
+
+
+def test_checkpoints_load_on_torch_without_safe_globals(runs, monkeypatch):
+    """torch 2.1-2.4, simulated: no ``torch.serialization.safe_globals`` (2.5) and ``torch.load`` not
+    ``weights_only`` by default (2.6). The plugin's wrapper of fairseq's checkpoint reader must not need
+    the newer API: LION and legacy (argparse.Namespace) checkpoints load, and check_checkpoint explains."""
+    import functools
+
+    from fairseq import checkpoint_utils
+
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    monkeypatch.setattr(torch, "load", functools.partial(torch.load, weights_only=False))
+    ckpt = runs["lm"]["dir"]["straight"] / "checkpoint_last.pt"
+    assert checkpoint_utils.load_checkpoint_to_cpu(str(ckpt))["cfg"].model._name == TASKS["lm"][3]
+    legacy = runs["lm"]["dir"]["straight"] / "legacy_old_torch.pt"
+    torch.save({"args": argparse.Namespace(arch="lion_s_lm_tiny"), "model": {}}, legacy)
+    assert clear_errors._safe_load(str(legacy))["args"].arch == "lion_s_lm_tiny"
+    assert "model/arch 'lion_s_lm_tiny'" in clear_errors.explain(str(ckpt))
 
 
 def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
