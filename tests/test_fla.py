@@ -219,12 +219,31 @@ def test_gpu_benchmark_writes_its_tables(tmp_path):
               "timing": [{"L": 1024, "B": 32, "results": {"lion-fla": {"fwd_ms": 0.5, "fwdbwd_ms": 1.5,
                                                                       "fwd_mib": 10.0, "fwdbwd_mib": 40.0},
                                                          "sdpa": {"fwd_ms": "OOM"},
-                                                         "lion-torch-chunk": {"fwd_ms": "skipped (budget)"}}}]}
+                                                         "lion-torch-chunk": {"fwd_ms": "skipped (budget)"}}}],
+              "precision": [{"kind": "softmax", "form": "-", "L": 4096, "fp16": 4e-4, "bf16": 3e-3},
+                            {"kind": "lit", "form": "chunk", "L": 4096, "fp16": 6e-4, "bf16": 4e-3}],
+              "train": [{"variant": "s", "precision": "amp", "losses": [9.5, 7.25], "finite": True, "seconds": 12.0,
+                         "forms": {f: 7.0 for f in gpu.FORMS}, "forms_agree": True, "ok": True},
+                        {"variant": "d", "precision": "bf16", "error": "skipped (budget)"}]}
     gpu.save(tmp_path, report)
     md = (tmp_path / "gpu.md").read_text()
     assert "| 65 | bfloat16 | False | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
     assert "| 1024 | 32 | 0.5 | - | skipped (budget) | OOM |" in md and "error: RuntimeError" in md
+    assert "| lion_lit | chunk | 4096 | 6.0e-04 | 4.0e-03 | 1.5 | 1.3 |" in md
+    assert "| lion_s_lm | amp | 9.500 / 7.250 | yes | 7.0000 | 7.0000 | 7.0000 | 7.0000 | yes | 12.0 |" in md
+    assert "| lion_d_lm | bf16 | error: 'skipped (budget)' |" in md
     assert gpu.json.loads((tmp_path / "gpu.json").read_text())["timing"][0]["B"] == 32
+
+
+def test_gpu_training_runs_trains_and_compares_the_forms(tmp_path, one_thread):
+    """The GPU run's training part, here in float32 on CPU at tiny size: the pydoc corpus binarised, a
+    real fairseq-train, the checkpoint's loss in every form (so the GPU's minutes go to the GPU)."""
+    from lion_fairseq.benchmark.gpu_training import FORMS, train_and_evaluate
+
+    row = train_and_evaluate(tmp_path, "s", "fp32", arch_suffix="_tiny", length=64, updates=3, device="cpu")
+    assert row["ok"], row
+    assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]
+    assert set(row["forms"]) == set(FORMS) and row["forms_agree"]
 
 
 def test_gpu_benchmark_refuses_clearly_without_cuda_or_fla(tmp_path):

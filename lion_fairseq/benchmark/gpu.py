@@ -5,7 +5,11 @@
 1. Agreement: ``lion_attention(form="chunk")`` on fla's kernels against the PyTorch chunk form
    (``LION_FLA=0``), float32 and bf16, bidirectional and causal, per-token gates, values and the gradients
    of q, k, v and both gates, as relative RMS errors.
-2. Speed: forward (inference, no autograd) and forward+backward of bidirectional LION with per-token gates
+2. Mixed precision: the error of one attention module under CUDA autocast (fp16, bf16) against float64,
+   LION-LIT/D/S in each form against fairseq's softmax ``MultiheadAttention`` (``benchmark/precision.py``).
+3. Training: a short real ``fairseq-train`` of ``lion_{lit,d,s}_lm`` at L = 4096 with ``--fp16``, ``--amp``
+   and bf16 (``benchmark/gpu_training.py``): finite losses, and the checkpoint's loss the same in every form.
+4. Speed: forward (inference, no autograd) and forward+backward of bidirectional LION with per-token gates
    in bf16 (fla; fla without the normaliser column; the PyTorch chunk form) against
    ``torch.nn.functional.scaled_dot_product_attention`` in bf16, H=12, D=64, L = 1K ... 32K, with the
    same number of tokens per batch at every L (``--tokens``), CUDA events after warm-up (which includes
@@ -22,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
+
+from .gpu_training import FORMS, PRECISIONS, train_and_evaluate
 
 IMPLS = ("lion-fla", "lion-fla-nonorm", "lion-torch-chunk", "sdpa")
 # relative RMS error allowed against the PyTorch chunk form: fla's fp32 matmuls run in TF32
@@ -40,8 +46,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="stop starting new timings after this many seconds (the check always runs)")
+    p.add_argument("--train-length", type=int, default=4096, help="tokens per sample of the training runs")
+    p.add_argument("--train-updates", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="stop starting new training runs and timings after this many seconds (the check "
+                        "always runs)")
     return p.parse_args(argv)
 
 
@@ -214,6 +223,24 @@ def markdown(report: Dict) -> str:
         worst = max(grads, key=grads.get)
         lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c['errors']['values']:.2e} | "
                      f"{worst} {grads[worst]:.2e} | {'yes' if c['ok'] else 'NO'} |")
+    if report.get("precision"):
+        from .precision import table
+
+        lines += ["", "## Error under CUDA autocast against float64 (width 256, 4 heads)", "",
+                  table(report["precision"])]
+    if report.get("train"):
+        lines += ["", f"## fairseq-train, L = {a['train_length']}, {a['train_updates']} updates, then the loss of "
+                  "the checkpoint in each form", "",
+                  "| model | precision | first / last loss | finite | " + " | ".join(FORMS) + " | forms agree | s |",
+                  "|---|---|---|---|" + "---|" * len(FORMS) + "---|---|"]
+        for r in report["train"]:
+            if "error" in r:
+                lines.append(f"| lion_{r['variant']}_lm | {r['precision']} | error: {r['error'][-200:]!r} |")
+                continue
+            ends = f"{r['losses'][0]:.3f} / {r['losses'][-1]:.3f}" if r["losses"] else "-"
+            forms = " | ".join(f"{r['forms'][f]:.4f}" for f in FORMS)
+            lines.append(f"| lion_{r['variant']}_lm | {r['precision']} | {ends} | {'yes' if r['finite'] else 'NO'} | "
+                         f"{forms} | {'yes' if r['forms_agree'] else 'NO'} | {r['seconds']} |")
     impls = list(IMPLS)
     for title, key in (("forward, ms", "fwd_ms"), ("forward+backward, ms", "fwdbwd_ms"),
                        ("forward peak, MiB", "fwd_mib"), ("forward+backward peak, MiB", "fwdbwd_mib")):
@@ -253,6 +280,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report["check"].append(c)
                 print(f"check L={L} {dtype_name} causal={causal}: {c.get('errors', c.get('error'))}", flush=True)
                 save(out, report)
+    from . import precision
+
+    report["precision"] = precision.measure([4096], torch.get_num_threads(), device="cuda")
+    save(out, report)
+    report["train"] = []
+    for variant in ("lit", "d", "s"):
+        for prec in PRECISIONS:
+            if time.time() - started > args.budget_s:
+                report["train"].append({"variant": variant, "precision": prec, "error": "skipped (budget)"})
+                continue
+            try:
+                row = train_and_evaluate(out / "train", variant, prec, length=args.train_length,
+                                         updates=args.train_updates)
+            except Exception as e:
+                row = {"variant": variant, "precision": prec, "ok": False, "error": repr(e)[:300]}
+            report["train"].append(row)
+            print(f"train lion_{variant}_lm {prec}: {row}", flush=True)
+            save(out, report)
     for L in (int(x) for x in args.lengths.split(",")):
         B = args.batch or max(1, args.tokens // L)
         row = {"L": L, "B": B, "results": {}}
@@ -269,9 +314,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"L={L} B={B} {impl}: {row['results'][impl]}", flush=True)
             save(out, report)
     print(markdown(report))
-    failed = [c for c in report["check"] if not c["ok"]]
+    failed = [c for c in report["check"] + report["train"] if not c.get("ok", c.get("error") == "skipped (budget)")]
     if failed:
-        print(f"{len(failed)} agreement checks failed; see {out / 'gpu.md'}", file=sys.stderr)
+        print(f"{len(failed)} checks or training runs failed; see {out / 'gpu.md'}", file=sys.stderr)
     return 1 if failed else 0
 
 

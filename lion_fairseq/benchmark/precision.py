@@ -41,17 +41,17 @@ def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def relative_error(kind: str, form: str, L: int, dtype: str, seed: int = 0) -> float:
-    """``||y - y64|| / ||y64||`` for the module's output under CPU autocast to ``dtype`` (``"fp16"`` or
-    ``"bf16"``), the float64 reference from a float64 copy of the same module on the same input
-    ``(L, 1, WIDTH)``. The reference of the recurrent form at long L is its chunk form (the forms agree to
+def relative_error(kind: str, form: str, L: int, dtype: str, seed: int = 0, device: str = "cpu") -> float:
+    """``||y - y64|| / ||y64||`` for the module's output under autocast to ``dtype`` (``"fp16"`` or
+    ``"bf16"``) on ``device`` (``"cpu"`` or ``"cuda"``), the float64 reference from a float64 copy of the
+    same module on the same input ``(L, 1, WIDTH)``. The reference of the recurrent form at long L is its chunk form (the forms agree to
     round-off in float64, as the ops' tests check), which takes seconds where the scans take minutes."""
-    module = build(kind, form, seed).eval()
-    x = torch.randn(L, 1, WIDTH, generator=torch.Generator().manual_seed(seed + 1))
+    module = build(kind, form, seed).to(device).eval()
+    x = torch.randn(L, 1, WIDTH, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     with torch.no_grad():
-        with torch.autocast("cpu", dtype=DTYPES[dtype]):
+        with torch.autocast(device, dtype=DTYPES[dtype]):
             y = _call(module, x)
-        reference = build(kind, "chunk" if form == "recurrent" and L > 1024 else form, seed).double().eval()
+        reference = build(kind, "chunk" if form == "recurrent" and L > 1024 else form, seed).to(device).double().eval()
         reference.load_state_dict(module.state_dict())
         y64 = _call(reference, x.double())
     if not torch.isfinite(y).all():
@@ -67,7 +67,7 @@ def cases(lengths: List[int]) -> List[Dict]:
     return out
 
 
-def measure(lengths: List[int], threads: int) -> List[Dict]:
+def measure(lengths: List[int], threads: int, device: str = "cpu") -> List[Dict]:
     torch.set_num_threads(threads)
     rows = []
     for case in cases(lengths):
@@ -75,7 +75,7 @@ def measure(lengths: List[int], threads: int) -> List[Dict]:
         for dtype in DTYPES:
             start = time.perf_counter()
             row[dtype] = relative_error(case["kind"], case["form"] if case["form"] != "-" else "chunk",
-                                        case["L"], dtype)
+                                        case["L"], dtype, device=device)
             row[f"{dtype}_s"] = round(time.perf_counter() - start, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
