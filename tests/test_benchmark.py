@@ -1,6 +1,7 @@
 """The benchmark compares like with like: the layers it times have the same shape and parameters."""
 import pytest
 
+from lion_fairseq.benchmark import encoder as encoder_bench
 from lion_fairseq.benchmark import layer as layer_bench
 
 
@@ -19,3 +20,12 @@ def test_layer_measure_runs_every_mode_and_respects_limits():
     r = layer_bench.measure("s", "recurrent", layer_bench.LIMITS[("recurrent", "fwdbwd")] + 1, threads=1,
                             chunk_size=16, repeats=1, modes=["fwdbwd"])
     assert r["fwdbwd"] is None  # past the limit: not run
+
+
+def test_encoder_benchmark_builds_every_model_without_attention_dropout():
+    """RoBERTa's attention dropout of 0.1 would push torch's softmax attention onto its L x L path while
+    LION runs with none: the encoder benchmark builds both with 0, as the layer benchmark does."""
+    roberta, _ = encoder_bench.build("roberta_base", 16, vocab=100, form="chunk", chunk_size=8)
+    assert {layer.self_attn.dropout_module.p for layer in roberta.encoder.sentence_encoder.layers} == {0.0}
+    lion, _ = encoder_bench.build("lion_s_tiny", 16, vocab=100, form="chunk", chunk_size=8)
+    assert lion.args.attention_dropout == 0

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from lion_fairseq.ops import block_attention, lion_attention, state_after, state_before
-from reference import reference_attention
-from test_ops import B, DV, H, make_inputs, rel_err
+from reference import reference_attention, reference_mask
+from test_ops import B, DV, H, make_inputs, reference_state, rel_err, zero_gates
 
 
 def by_blocks(q, k, v, f, b, sizes, form, normalize, mask=None):
@@ -55,6 +55,24 @@ def test_blocks_with_padding_equal_the_whole_sequence(side):
     whole = lion_attention(q, k, v, f, b, form="parallel", key_padding_mask=mask)
     y = by_blocks(q, k, v, f, b, [3, 6, 5], "recurrent", True, mask)
     assert rel_err(y, whole) < 1e-5
+
+
+def test_a_gate_of_zero_is_taken_as_lion_attention_takes_it():
+    """Log-gates of -inf (one at a block's first token) give what gates of -1e4 give, and the definition."""
+    L, sizes = 16, [5, 3, 1, 7]
+    q, k, v, f, b = make_inputs(L, "token", seed=7)
+    f, b = zero_gates(f), zero_gates(b)
+    ref = reference_attention(q, k, v, f, b)
+    for form in ("recurrent", "chunk"):
+        y = by_blocks(q, k, v, f, b, sizes, form, True)
+        assert torch.isfinite(y).all()
+        assert torch.equal(y, by_blocks(q, k, v, f.clamp(min=-1e4), b.clamp(min=-1e4), sizes, form, True))
+        assert rel_err(y, ref) < 1e-5
+    # the states of the whole sequence: the mask's last row (left state) and first row (right state)
+    M = reference_mask(f.double().exp(), b.double().exp(), causal=False)
+    for got, w in ((state_after(None, k, v, f), M[..., -1, :]), (state_before(None, k, v, b), M[..., 0, :])):
+        for x, x_ref in zip(got, reference_state(k, v, w)):
+            assert torch.isfinite(x).all() and rel_err(x, x_ref) < 1e-6
 
 
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])

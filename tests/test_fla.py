@@ -307,8 +307,9 @@ needs_interpreter = pytest.mark.skipif(not triton_interpreter.AVAILABLE,
 
 
 @pytest.fixture
-def real_fla(monkeypatch):
-    """lion_attention's chunk form on fla's own chunk_simple_gla, interpreted; yields the dtypes it got."""
+def real_fla(monkeypatch, one_thread):
+    """lion_attention's chunk form on fla's own chunk_simple_gla, interpreted, on one thread; yields the
+    dtypes it got."""
     triton_interpreter.install()
     fla_mod._load.cache_clear()
     kernel = fla_mod._load()

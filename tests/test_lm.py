@@ -258,3 +258,28 @@ def test_resume_mid_epoch_is_exact(trained, text_data_bin, tmp_path):
     for name in straight:
         assert torch.equal(resumed[name], straight[name]), name
     assert not torch.equal(half["model"]["decoder.layers.0.fc1.weight"], straight["decoder.layers.0.fc1.weight"])
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_a_padded_decoding_step_leaves_the_state_unchanged(variant):
+    """A decoding step whose token is padding (key_padding_mask True) changes nothing: the next real token
+    gives what it gives without the padded step in between; unpadded rows are stepped as usual."""
+    from lion_fairseq.modules import LionAttention
+
+    torch.manual_seed(0)
+    attn = LionAttention(16, 2, variant, causal=True).eval()
+    x = torch.randn(5, 2, 16)
+
+    def decode(steps, masks):
+        state = {}
+        attn(x[:3], incremental_state=state)  # prefill
+        return [attn(x[t:t + 1], key_padding_mask=m, incremental_state=state) for t, m in zip(steps, masks)]
+
+    row0_padded = torch.tensor([[True], [False]])
+    with torch.no_grad():
+        padded = decode([3, 4], [row0_padded, None])
+        skipped = decode([4], [None])
+        plain = decode([3, 4], [None, None])
+    torch.testing.assert_close(padded[1][:, 0], skipped[0][:, 0])  # row 0: as if the pad never came
+    torch.testing.assert_close(padded[1][:, 1], plain[1][:, 1])  # row 1: stepped through token 3
+    assert not torch.allclose(skipped[0][:, 0], plain[1][:, 0])  # the check has teeth: token 3 matters

@@ -311,6 +311,25 @@ def test_image_cifar_pickles_to_training_with_two_snakes(tmp_path):
         torch.testing.assert_close(logits[form], logits["parallel"], rtol=1e-4, atol=1e-5)
 
 
+def test_hydra_model_name_of_an_arch_keeps_its_dropout(tmp_path):
+    """fairseq-hydra-train merges the dataclass defaults before the arch function runs (SPEC section 7):
+    ``model: {_name: lion_s_lra_image}`` gets the image arch's dropout, as ``--arch`` does, and the
+    model's own name the base 0.1."""
+    from fairseq import tasks
+    from fairseq_cli.hydra_train import add_defaults
+    from omegaconf import OmegaConf
+
+    _cifar(tmp_path / "cifar-10-batches-py", 2, seed=0)
+    data = _preprocess("image", "--input-dir", str(tmp_path / "cifar-10-batches-py"), "--destdir",
+                       str(tmp_path / "bin"), "--valid-size", "3")
+    for arch, dropout in (("lion_s_lra_image", 0.3), ("lion_d_lra_pathfinder", 0.2), ("lion_lit_lra_tiny", 0.1),
+                          ("lion_lra", 0.1)):
+        cfg = OmegaConf.create({"task": {"_name": "lra_image", "data": str(data)}, "model": {"_name": arch}})
+        add_defaults(cfg)
+        model = tasks.setup_task(cfg.task).build_model(cfg.model)
+        assert (model.encoder.dropout_module.p, model.classifier[2].p) == (dropout, dropout), arch
+
+
 def test_pathfinder_png_folders_to_training_in_snake_order(tmp_path):
     pathfinder.write_release(tmp_path / "pathfinder32", 20, size=32, seed=2, difficulty="curv_contour_length_14")
     data = _preprocess("pathfinder", "--input-dir", str(tmp_path / "pathfinder32"), "--destdir", str(tmp_path / "bin"))

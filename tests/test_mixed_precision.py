@@ -8,6 +8,9 @@ import torch
 from conftest import build_model
 from lion_fairseq.benchmark.precision import relative_error
 
+# in-process torch work on one thread: the suite runs two files side by side on two cores
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOLERANCE = {"fp16": 1e-2, "bf16": 2e-2}
 SOFTMAX_FACTOR = 20  # at most this many times the error of fairseq's softmax attention under the same autocast
 LONG = 4096
@@ -30,10 +33,33 @@ def test_attention_under_autocast_is_as_accurate_as_softmax(softmax_error, varia
     assert err <= TOLERANCE[dtype] and err <= SOFTMAX_FACTOR * softmax_error[dtype], (err, softmax_error[dtype])
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_blockwise_inference_and_decoding_under_autocast(dtype):
+    """The recurrent form's other paths: an encoder layer's block-by-block inference (states carried
+    between blocks) and token-by-token decoding (lion_step) of LION-LIT, whose states grow with L."""
+    from lion_fairseq.modules import LionAttention, LionEncoderLayer
+
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    torch.manual_seed(0)
+    layer = LionEncoderLayer(256, 4, 512, dict(variant="lit", form="recurrent")).eval()
+    x = torch.randn(2048, 1, 256)
+    decoder = LionAttention(256, 4, "lit", causal=True).eval()
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=low):
+            y = layer(x)
+            state = {}
+            decoder(x[:1500], incremental_state=state)
+            steps = torch.cat([decoder(x[t:t + 1], incremental_state=state) for t in range(1500, 1510)])
+        y64 = layer.double()(x.double())
+        full = decoder.double()(x[:1510].double())[1500:]
+    for name, a, ref in (("blockwise", y, y64), ("decoding", steps, full)):
+        assert float((a.double() - ref).norm() / ref.norm()) <= TOLERANCE[dtype], name
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("task, arch", [("masked_lm", "lion_lit_tiny"), ("masked_lm", "lion_d_tiny"),
                                         ("masked_lm", "lion_s_tiny"), ("language_modeling", "lion_s_lm_tiny")])
-def test_model_forward_and_backward_under_autocast(text_data_bin, task, arch, dtype, one_thread):
+def test_model_forward_and_backward_under_autocast(text_data_bin, task, arch, dtype):
     """A whole model's features at L = 2048 and the gradients of its attention weights under autocast,
     against the same model in float32: what fairseq's ``--amp`` step computes (loss scaling aside)."""
     L = 2048

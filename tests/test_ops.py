@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from lion_fairseq.ops import FORMS, causal_state, lion_attention, lion_step
 from lion_fairseq.ops import chunk as chunk_module
-from reference import fast_reference_attention, reference_attention
+from reference import fast_reference_attention, reference_attention, reference_mask
 
 C = 8  # chunk size of these tests: small, so that L crosses several chunk borders
 B, H, DK, DV = 2, 3, 5, 4
@@ -177,6 +177,32 @@ def test_token_by_token_step_equals_causal_form(gates, normalize):
     f_pad = None if f is None else torch.cat([junk[3].expand(B, H, 4), f.expand(B, H, L)], -1)
     S_left, _ = causal_state(torch.cat([junk[1], k], 2), torch.cat([junk[2], v], 2), f_pad, mask)
     assert rel_err(S_left, state[0]) < 1e-5
+
+
+def zero_gates(log_a: torch.Tensor) -> torch.Tensor:
+    """``log_a`` ``(B, H, L)`` with the gates at positions 2 and 5 exactly 0 (log-gate -inf)."""
+    log_a = log_a.clone()
+    log_a[:, :, [2, 5]] = float("-inf")
+    return log_a
+
+
+def reference_state(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor):
+    """``(sum_j w_j k_j v_j^T, sum_j w_j k_j)`` in float64, with weights w ``(B, H, L)`` (a row of the mask)."""
+    kw = k.double() * w[..., None]
+    return kw.transpose(-1, -2) @ v.double(), kw.sum(-2)
+
+
+def test_causal_state_takes_a_gate_of_zero_as_lion_attention_does():
+    """A log-gate of -inf is floored as ``lion_attention`` floors it: no -inf - -inf in the suffix sums."""
+    _, k, v, f, _ = make_inputs(7, "token", seed=3)
+    f = zero_gates(f)
+    S, z = causal_state(k, v, f)
+    assert torch.isfinite(S).all() and torch.isfinite(z).all()
+    S_floor, z_floor = causal_state(k, v, f.clamp(min=-1e4))
+    assert torch.equal(S, S_floor) and torch.equal(z, z_floor)
+    gate = f.double().exp()
+    S_ref, z_ref = reference_state(k, v, reference_mask(gate, gate, causal=True)[..., -1, :])
+    assert rel_err(S, S_ref) < 1e-6 and rel_err(z, z_ref) < 1e-6
 
 
 def test_bad_arguments_name_the_argument():

@@ -2,7 +2,9 @@
 at the same size (12 layers, 768, 12 heads, FFN 3072, RoBERTa's 50265-word vocabulary), all built by
 fairseq from their ``--arch`` as a user gets them: masked-LM training throughput (tokens/s of forward,
 backward and an Adam step, 15% of tokens through the LM head) against sequence length, and the peak
-memory of encoder inference.
+memory of encoder inference. Every model runs with attention dropout 0, as ``benchmark.layer`` does:
+RoBERTa's 0.1 would force torch's softmax attention off its fused kernel onto the L x L path (the layer
+benchmark's ``softmax_ad`` column measures that cost), so like is compared with like.
 
     python -m lion_fairseq.benchmark.encoder              # train at L=128/512/2048, inference at 4096/16384
     python -m lion_fairseq.benchmark.encoder --small      # tiny models, short lengths: a one-minute check
@@ -27,6 +29,8 @@ MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
 # the paper's MLM (Large) training time relative to BERT; LION-D is LION-RETNET
 PAPER_RATIO = {"lion_lit": 0.95, "lion_d": 1.10, "lion_s": 1.32}
 ROBERTA_VOCAB = 50265
+# like with like: LION has no attention weights to drop, and softmax attention keeps its fused kernel
+ATTENTION_DROPOUT = 0.0
 
 
 def _maxrss_mib() -> float:
@@ -34,7 +38,8 @@ def _maxrss_mib() -> float:
 
 
 def build(arch: str, L: int, vocab: int, form: str, chunk_size: int):
-    """The model fairseq-train builds for ``--task masked_lm --arch <arch>`` (positions for L tokens)."""
+    """The model fairseq-train builds for ``--task masked_lm --arch <arch> --attention-dropout 0``
+    (positions for L tokens)."""
     import lion_fairseq  # noqa: F401  (registers the lion archs)
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -43,7 +48,7 @@ def build(arch: str, L: int, vocab: int, form: str, chunk_size: int):
     with open(os.path.join(data, "dict.txt"), "w") as f:
         f.writelines(f"w{i} 1\n" for i in range(vocab - 5))  # + <s> <pad> </s> <unk> <mask>
     argv = [data, "--task", "masked_lm", "--arch", arch, "--tokens-per-sample", str(L), "--max-positions", str(L),
-            "--cpu"]
+            "--attention-dropout", str(ATTENTION_DROPOUT), "--cpu"]
     if arch.startswith("lion"):
         argv += ["--lion-form", form, "--lion-chunk-size", str(chunk_size)]
     parser = options.get_training_parser()
@@ -140,7 +145,8 @@ def fmt(x: Optional[float]) -> str:
 
 def tables(train: Dict[str, Dict[int, Dict]], infer: Dict[str, Dict[int, Dict]], args) -> str:
     md = [f"Training (forward + backward + Adam, {args.tokens} tokens a step, best of {args.steps}; "
-          f"LION in the {args.lion_form} form, chunk {args.chunk_size}):", "",
+          f"LION in the {args.lion_form} form, chunk {args.chunk_size}; attention dropout "
+          f"{ATTENTION_DROPOUT:g} for every model):", "",
           "| L | model | tokens/s | tokens/CPU-s | step s | step CPU-s | CPU time vs roberta_base | "
           "paper's MLM time vs BERT |",
           "|---:|---|---:|---:|---:|---:|---:|---:|"]

@@ -39,8 +39,8 @@ ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
 @dataclass
 class LionLRAConfig(LionOptions):
-    # sizes default to None so that the arch decides (fairseq-hydra-train merges dataclass defaults
-    # before the arch function runs); the model name itself gets DEFAULT_SIZE
+    # sizes and dropout default to None so that the arch decides (fairseq-hydra-train merges dataclass
+    # defaults before the arch function runs); the model name itself gets DEFAULT_SIZE
     encoder_layers: Optional[int] = field(default=None, metadata={"help": "num encoder layers (default: the arch's)"})
     encoder_embed_dim: Optional[int] = field(
         default=None, metadata={"help": "encoder embedding dimension (default: the arch's)"})
@@ -54,7 +54,8 @@ class LionLRAConfig(LionOptions):
     layernorm_embedding: bool = field(default=False, metadata={"help": "layernorm on the embeddings"})
     activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
         default="gelu", metadata={"help": "activation function of the FFN"})
-    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    dropout: Optional[float] = field(
+        default=None, metadata={"help": "dropout probability (default: the arch's; 0.1 unless it sets one)"})
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout on the attention output"})
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN activation"})
     encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability"})
@@ -162,11 +163,12 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 
 
-DEFAULT_SIZE = dict(SIZES["retrieval"], lion_variant="s")  # 4 x 128: the model name without an arch
+# 4 x 128: the model name without an arch; its dropout also serves every arch that sets none
+DEFAULT_SIZE = dict(SIZES["retrieval"], lion_variant="s", dropout=0.1)
 
 
 def lion_lra_base(args: Any) -> None:
-    """Fill every option the command line (or the arch) left unset (None): sizes and variant of
+    """Fill every option the command line (or the arch) left unset (None): sizes, variant and dropout of
     ``DEFAULT_SIZE``, everything else the config's default."""
     set_unset(args, DEFAULT_SIZE)
     set_unset_from(args, LionLRAConfig)

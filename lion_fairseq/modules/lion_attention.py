@@ -179,10 +179,17 @@ class LionAttention(nn.Module):
             S, z, prev = saved["S"], saved["z"], saved.get("prev_log_gate")
             ys = []
             for t in range(T):
-                y_t, (S, z) = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], prev, (S, z),
-                                        normalize=self.normalize, eps=self.eps)
+                y_t, (S_t, z_t) = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], prev, (S, z),
+                                            normalize=self.normalize, eps=self.eps)
                 ys.append(y_t)
-                prev = lam[..., t] if lam is not None else None
+                prev_t = lam[..., t] if lam is not None else None
+                if key_padding_mask is not None:  # a padded token leaves the state as it was
+                    pad = key_padding_mask[:, t]
+                    S_t = torch.where(pad[:, None, None, None], S, S_t)
+                    z_t = torch.where(pad[:, None, None], z, z_t)
+                    if prev_t is not None:
+                        prev_t = torch.where(pad[:, None], prev, prev_t)
+                S, z, prev = S_t, z_t, prev_t
             y = torch.stack(ys, dim=2)
         new = {"S": S, "z": z}
         if prev is not None:

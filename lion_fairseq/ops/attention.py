@@ -6,14 +6,12 @@ from torch import Tensor
 
 from .chunk import chunk_attention
 from .float32 import float32_math
+from .gates import LOG_GATE_MIN
 from .fla import fla_attention, fla_available, fla_refuses, warn_once
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
 
 FORMS = ("parallel", "chunk", "recurrent")
-# exp() of anything below this is 0 in float32 and float64; the floor keeps cumulative sums finite
-# (a gate of exactly 0 would give -inf - -inf = nan in their differences).
-LOG_GATE_MIN = -1e4
 
 
 def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: torch.dtype) -> Optional[Tensor]:

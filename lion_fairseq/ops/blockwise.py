@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from .attention import lion_attention, mask_padded_keys
+from .float32 import float32_math
+from .gates import LOG_GATE_MIN
 from .recurrent import causal_state
 
 State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
@@ -30,10 +32,12 @@ def _carry(old: Optional[State], log_a: Optional[Tensor], new: State) -> State:
 
 
 def _gates(log_a: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
-    """A broadcastable log-gate as ``(B, H, n)``, like k's first three dimensions."""
-    return log_a.expand(k.shape[:3]) if log_a is not None else None
+    """A broadcastable log-gate as ``(B, H, n)`` float64, like k's first three dimensions, floored at
+    ``LOG_GATE_MIN`` as ``lion_attention`` floors it, so that every op here takes gates its way."""
+    return log_a.double().clamp(min=LOG_GATE_MIN).expand(k.shape[:3]) if log_a is not None else None
 
 
+@float32_math
 def state_after(left: Optional[State], k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
                 key_padding_mask: Optional[Tensor] = None) -> State:
     """The left state after the block from the one before it (None at the start of the sequence).
@@ -43,6 +47,7 @@ def state_after(left: Optional[State], k: Tensor, v: Tensor, log_a_fwd: Optional
     return _carry(left, f, causal_state(k, v, f))
 
 
+@float32_math
 def state_before(right: Optional[State], k: Tensor, v: Tensor, log_a_bwd: Optional[Tensor],
                  key_padding_mask: Optional[Tensor] = None) -> State:
     """The right state at the block's first token from the one after its last (None at the end of the
@@ -62,6 +67,7 @@ def _read(q: Tensor, state: Optional[State], log_decay: Optional[Tensor]) -> Opt
     return q @ S, q @ z[..., None]
 
 
+@float32_math
 def block_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
                     left: Optional[State], right: Optional[State], *, form: str = "recurrent",
                     normalize: bool = True, key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64,
@@ -75,8 +81,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor]
     over the whole sequence."""
     B, H, n, _ = q.shape
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-    f = log_a_fwd.to(torch.float64).expand(B, H, n) if log_a_fwd is not None else None
-    b = log_a_bwd.to(torch.float64).expand(B, H, n) if log_a_bwd is not None else None
+    f, b = _gates(log_a_fwd, q), _gates(log_a_bwd, q)
     qd, vd = q.to(dtype), v.to(dtype)
     # the ones column makes the block's own normaliser come out beside its numerator
     inner = lion_attention(qd, k.to(dtype), torch.cat([vd, vd.new_ones(B, H, n, 1)], -1), log_a_fwd, log_a_bwd,

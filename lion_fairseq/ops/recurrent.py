@@ -4,6 +4,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .float32 import float32_math
+from .gates import LOG_GATE_MIN
+
 State = Tuple[Tensor, Tensor]
 
 
@@ -42,6 +45,7 @@ def recurrent_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Ten
     return out
 
 
+@float32_math
 def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] = None,
               state: Optional[State] = None, *, normalize: bool = True, eps: float = 1e-6) -> Tuple[Tensor, State]:
     """One token of the causal recurrence, for decoding.
@@ -75,6 +79,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
     return y.to(v_t.dtype), (S, z)
 
 
+@float32_math
 def causal_state(k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
                  key_padding_mask: Optional[Tensor] = None) -> State:
     """The state ``(S, z)`` that ``lion_step`` holds after the last of L tokens, in one pass: the prefill
@@ -91,8 +96,9 @@ def causal_state(k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
         pad = key_padding_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
     if log_a_fwd is not None:
-        # exp(sum_{u>j} log f_u) from a float64 suffix sum: every argument <= 0, exact near the end
-        a = log_a_fwd.double().expand(B, H, L)
+        # exp(sum_{u>j} log f_u) from a float64 suffix sum: every argument <= 0, exact near the end;
+        # floored as lion_attention floors gates (a gate of 0 would give -inf - -inf = nan)
+        a = log_a_fwd.double().clamp(min=LOG_GATE_MIN).expand(B, H, L)
         if key_padding_mask is not None:
             a = a.masked_fill(key_padding_mask[:, None, :], 0.0)
         suffix = a.flip(-1).cumsum(-1).flip(-1) - a
