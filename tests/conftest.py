@@ -32,11 +32,11 @@ def corpus_lines(n_lines: int = 6000, max_words: int = 60):
     return lines[:n_lines]
 
 
-def fairseq_cli(module: str, *args: str, cwd=None, timeout=900) -> subprocess.CompletedProcess:
+def fairseq_cli(module: str, *args: str, cwd=None, timeout=900, stdin=None) -> subprocess.CompletedProcess:
     """Run ``python -m fairseq_cli.<module>`` like a user's console command; fail loudly with its output."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     proc = subprocess.run([sys.executable, "-m", f"fairseq_cli.{module}", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, input=stdin)
     if proc.returncode != 0:
         raise AssertionError(f"fairseq_cli.{module} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -50,6 +50,9 @@ class LionEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)
         self.final_layer_norm = LayerNorm(embed_dim)
 
+    def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
+        """Nothing to upgrade: fairseq's ``TransformerEncoder`` calls this on each of its layers."""
+
     def _drop_attention_output(self, _module: nn.Module, args: tuple) -> tuple:
         return (self.attention_dropout_module(args[0]),) + tuple(args[1:])
 

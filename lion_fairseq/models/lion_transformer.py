@@ -1,0 +1,161 @@
+"""LION for sequence-to-sequence tasks (``--task translation --arch lion_s_transformer`` etc.): fairseq's
+``TransformerModel`` with bidirectional LION self-attention in the encoder (``LionEncoderLayer``) and
+causal LION self-attention in the decoder, which decodes through ``(S, z)`` per layer and head.
+
+Cross-attention is fairseq's softmax ``MultiheadAttention`` by default; ``--lion-cross-attention linear``
+makes it non-causal linear attention over the encoder output, whose state is computed once per source
+sentence: a decoding step then costs O(1) whatever the source and the target lengths.
+
+Positions are fairseq's (sinusoidal, or ``--encoder-learned-pos`` / ``--decoder-learned-pos``) unless
+``--lion-positions`` says otherwise: ``learned`` for both sides, ``none`` for neither. Checkpoints store
+the dataclass config below, so they reload under torch's ``weights_only`` default, and
+``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form."""
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from fairseq import utils
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
+from fairseq.models.transformer import (TransformerConfig, TransformerDecoderBase, TransformerEncoderBase,
+                                        TransformerModelBase)
+from fairseq.modules import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+from omegaconf import II
+
+from ..clear_errors import ClearLoadErrors
+from ..modules.encoder_layer import LionEncoderLayer
+from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
+from .lion_options import LionOptions, arch_filling, fix_lion_flags, lion_attention_kwargs, set_unset
+
+CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
+
+
+@dataclass
+class LionTransformerConfig(LionOptions):
+    # sizes default to None so that the arch decides (fairseq-hydra-train merges dataclass defaults first)
+    encoder_embed_dim: Optional[int] = field(default=None, metadata={"help": "encoder embedding dimension"})
+    encoder_ffn_embed_dim: Optional[int] = field(default=None, metadata={"help": "encoder FFN dimension"})
+    encoder_layers: Optional[int] = field(default=None, metadata={"help": "num encoder layers"})
+    encoder_attention_heads: Optional[int] = field(default=None, metadata={"help": "num encoder attention heads"})
+    decoder_embed_dim: Optional[int] = field(default=None, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: Optional[int] = field(default=None, metadata={"help": "decoder FFN dimension"})
+    decoder_layers: Optional[int] = field(default=None, metadata={"help": "num decoder layers"})
+    decoder_attention_heads: Optional[int] = field(default=None, metadata={"help": "num decoder attention heads"})
+    lion_cross_attention: CROSS_ATTENTION_CHOICES = field(
+        default="softmax", metadata={"help": "decoder-encoder attention: fairseq's softmax MultiheadAttention, or "
+                                             "linear attention whose state is computed once per source"})
+    encoder_normalize_before: bool = field(default=False, metadata={"help": "pre-norm encoder layers"})
+    decoder_normalize_before: bool = field(default=False, metadata={"help": "pre-norm decoder layers"})
+    encoder_learned_pos: bool = field(default=False, metadata={"help": "learned encoder positions"})
+    decoder_learned_pos: bool = field(default=False, metadata={"help": "learned decoder positions"})
+    no_token_positional_embeddings: bool = field(default=False, metadata={"help": "no positional embeddings"})
+    activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
+        default="relu", metadata={"help": "activation function of the FFN"})
+    dropout: Optional[float] = field(default=None, metadata={"help": "dropout probability (default: the arch's)"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on the attention output"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN activation"})
+    share_decoder_input_output_embed: bool = field(
+        default=False, metadata={"help": "share decoder input and output embeddings"})
+    share_all_embeddings: bool = field(
+        default=False, metadata={"help": "share encoder, decoder and output embeddings (a joined dictionary)"})
+    no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})
+    layernorm_embedding: bool = field(default=False, metadata={"help": "layernorm on the embeddings"})
+    max_source_positions: int = II("task.max_source_positions")
+    max_target_positions: int = II("task.max_target_positions")
+
+
+def transformer_config(cfg: Any) -> TransformerConfig:
+    """fairseq's nested ``TransformerConfig`` of a ``LionTransformerConfig``, with the LION options on it
+    (``lion_attention``, ``lion_cross_attention``) for the layers to read."""
+    args = argparse.Namespace(**{f.name: getattr(cfg, f.name, None) for f in fields(LionTransformerConfig)})
+    args.decoder_input_dim = args.decoder_output_dim = args.decoder_embed_dim
+    positions = getattr(cfg, "lion_positions", None)
+    if positions == "learned":
+        args.encoder_learned_pos = args.decoder_learned_pos = True
+    elif positions == "none":
+        args.no_token_positional_embeddings = True
+    out = TransformerConfig.from_namespace(args)
+    out.lion_attention = lion_attention_kwargs(cfg)
+    out.lion_cross_attention = str(cfg.lion_cross_attention)
+    return out
+
+
+class LionTransformerDecoderLayer(TransformerDecoderLayerBase):
+    """fairseq's decoder layer with causal LION self-attention (and linear cross-attention on request)."""
+
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        return LionSelfAttention(embed_dim, cfg.decoder.attention_heads, **cfg.lion_attention)
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        if cfg.lion_cross_attention == "linear":
+            return LinearCrossAttention(embed_dim, cfg.decoder.attention_heads, kdim=cfg.encoder.embed_dim,
+                                        **cfg.lion_attention)
+        return MultiheadAttention(embed_dim, cfg.decoder.attention_heads, kdim=cfg.encoder.embed_dim,
+                                  vdim=cfg.encoder.embed_dim, dropout=cfg.attention_dropout,
+                                  encoder_decoder_attention=True)
+
+
+class LionTransformerEncoder(TransformerEncoderBase):
+    def build_encoder_layer(self, cfg):
+        return LionEncoderLayer(cfg.encoder.embed_dim, cfg.encoder.attention_heads, cfg.encoder.ffn_embed_dim,
+                                cfg.lion_attention, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+                                activation_dropout=cfg.activation_dropout, activation_fn=cfg.activation_fn,
+                                normalize_before=cfg.encoder.normalize_before)
+
+
+class LionTransformerDecoder(TransformerDecoderBase):
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        return LionTransformerDecoderLayer(cfg, no_encoder_attn)
+
+
+@register_model("lion_transformer", dataclass=LionTransformerConfig)
+class LionTransformerModel(ClearLoadErrors, TransformerModelBase):
+    """``TransformerModel`` with LION self-attention: the same forward, generator and hub interface
+    (``from_pretrained(...).translate(...)``)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        # this config's options (TransformerModelBase.add_args would add fairseq's TransformerConfig's)
+        BaseFairseqModel.add_args.__func__(cls, parser)
+        fix_lion_flags(parser)
+
+    @classmethod
+    def build_model(cls, cfg, task):
+        lion_transformer_base(cfg)
+        return super().build_model(transformer_config(cfg), task)
+
+    @classmethod
+    def build_encoder(cls, cfg, src_dict, embed_tokens):
+        return LionTransformerEncoder(cfg, src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        return LionTransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+
+# transformer base (Vaswani et al.): 6 + 6 layers, 512 wide, 8 heads, FFN 2048
+BASE = dict(encoder_embed_dim=512, encoder_ffn_embed_dim=2048, encoder_layers=6, encoder_attention_heads=8,
+            decoder_embed_dim=512, decoder_ffn_embed_dim=2048, decoder_layers=6, decoder_attention_heads=8,
+            dropout=0.1)
+SIZES = {
+    "": BASE,
+    # fairseq's transformer_iwslt_de_en
+    "_iwslt_de_en": dict(BASE, encoder_ffn_embed_dim=1024, encoder_attention_heads=4, decoder_ffn_embed_dim=1024,
+                         decoder_attention_heads=4, dropout=0.3),
+    "_tiny": dict(encoder_embed_dim=128, encoder_ffn_embed_dim=256, encoder_layers=2, encoder_attention_heads=2,
+                  decoder_embed_dim=128, decoder_ffn_embed_dim=256, decoder_layers=2, decoder_attention_heads=2,
+                  dropout=0.1),
+}
+
+
+def lion_transformer_base(args: Any) -> None:
+    """Sizes and variant the command line (or the arch) left unset: transformer base and LION-S (``--arch
+    lion_transformer`` is fairseq's own arch of the dataclass, whose other defaults are its fields')."""
+    set_unset(args, dict(BASE, lion_variant="s", lion_normalize=True))
+
+
+for _variant in ("lit", "d", "s"):
+    for _suffix, _size in SIZES.items():
+        register_model_architecture("lion_transformer", f"lion_{_variant}_transformer{_suffix}")(
+            arch_filling(_variant, _size, lion_transformer_base))

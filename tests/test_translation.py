@@ -1,0 +1,196 @@
+"""LION for translation (``lion_transformer``): fairseq's encoder-decoder with LION self-attention, on a
+synthetic parallel corpus with a known answer (the target is the source reversed, each word mapped
+through a fixed permutation), written by the test.
+
+Decoding through the recurrent state equals the teacher-forced full pass (beam search, its reordering
+and its shrinking batch, left-padded sources) for every variant and both kinds of cross-attention; the
+decoder's state does not grow with the target; fairseq's own tools train, generate, score and serve it."""
+import argparse
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from conftest import ROOT, USER_DIR, build_model, fairseq_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORDS = 30
+
+
+def write_reversal_corpus(root: Path, sizes=(("train", 1500), ("valid", 60), ("test", 40)), seed: int = 0) -> None:
+    """``{split}.src`` / ``{split}.tgt``: sources of 3-12 words ``w0..w29``; each target is the source
+    reversed, word i written ``t<perm[i]>``."""
+    rng = random.Random(seed)
+    perm = list(range(WORDS))
+    rng.shuffle(perm)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in sizes:
+        src, tgt = [], []
+        for _ in range(n):
+            words = [rng.randrange(WORDS) for _ in range(rng.randint(3, 12))]
+            src.append(" ".join(f"w{i}" for i in words))
+            tgt.append(" ".join(f"t{perm[i]}" for i in reversed(words)))
+        (root / f"{split}.src").write_text("\n".join(src) + "\n")
+        (root / f"{split}.tgt").write_text("\n".join(tgt) + "\n")
+
+
+@pytest.fixture(scope="module")
+def mt_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reversal")
+    write_reversal_corpus(root)
+    out = root / "bin"
+    fairseq_cli("preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(root / "train"),
+                "--validpref", str(root / "valid"), "--testpref", str(root / "test"), "--destdir", str(out),
+                "--workers", "1")
+    return out
+
+
+def build(data: Path, variant: str, cross: str, *args: str):
+    torch.manual_seed(0)
+    task, model = build_model(data, "translation", "--arch", f"lion_{variant}_transformer_tiny",
+                              "--lion-cross-attention", cross, "--lion-chunk-size", "4", *args)
+    task.load_dataset("test")
+    return task, model.eval()
+
+
+def batch(task, n: int = 6):
+    """The first n test pairs as fairseq batches them: sources left-padded, of different lengths."""
+    ds = task.dataset("test")
+    return ds.collater([ds[i] for i in range(n)])
+
+
+def teacher_forced(model, sample, i: int, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[t] | source i, tokens[:t]) by one full forward (no incremental state)."""
+    src = sample["net_input"]["src_tokens"][i]
+    src = src[src.ne(model.encoder.padding_idx)][None]
+    prev = torch.cat([tokens.new_tensor([model.decoder.dictionary.eos()]), tokens[:-1]])[None]
+    logits = model(src, torch.tensor([src.shape[1]]), prev)[0]
+    return torch.log_softmax(logits.float(), -1)[0].gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("cross", ["softmax", "linear"])
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_beam_search_scores_equal_the_teacher_forced_pass(mt_data, variant, cross):
+    """Beam 4, 2 best: every hypothesis's positional scores, computed step by step through the state
+    (reordered after each step, the batch shrinking as sentences finish), equal one full forward."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    task, model = build(mt_data, variant, cross)
+    with torch.no_grad():  # an untrained model that ends some sentences early, at different steps
+        model.decoder.output_projection.weight[task.target_dictionary.eos()] *= 6
+    sample = batch(task)
+    assert sample["net_input"]["src_tokens"][:, 0].eq(task.source_dictionary.pad()).any()  # left-padded
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_a=1, max_len_b=3)
+    with torch.no_grad():
+        hypos = generator.forward(sample)
+        lengths = {len(h[0]["tokens"]) for h in hypos}
+        assert len(lengths) > 1  # sentences finish at different steps: the batch shrinks
+        for i, beams in enumerate(hypos):
+            for h in beams[:2]:
+                torch.testing.assert_close(h["positional_scores"], teacher_forced(model, sample, i, h["tokens"]),
+                                           atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cross", ["softmax", "linear"])
+def test_decoder_state_is_the_same_after_5_and_500_target_tokens(mt_data, cross):
+    task, model = build(mt_data, "s", cross, "--max-target-positions", "1024")
+    sample = batch(task, 3)
+    with torch.no_grad():
+        enc = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
+        shapes = []
+        for n in (5, 500):
+            state: dict = {}
+            prev = torch.full((3, 1), task.target_dictionary.eos())
+            for _ in range(n):
+                logits = model.decoder(prev, encoder_out=enc, incremental_state=state)[0]
+                prev = torch.cat([prev, logits[:, -1:].argmax(-1)], 1)
+            shapes.append({k: tuple(v.shape) for k, d in state.items() for k2, v in d.items()
+                           if torch.is_tensor(v) for k in [f"{k}:{k2}"]})
+    assert shapes[0] == shapes[1], shapes
+    if cross == "linear":  # nothing in the state grows with the source or the target
+        assert all(5 not in s and 500 not in s for s in shapes[1].values()), shapes[1]
+
+
+def test_options_reach_the_layers_and_bad_ones_are_refused(mt_data):
+    _, model = build(mt_data, "d", "linear", "--lion-form", "recurrent", "--lion-positions", "none")
+    enc_attn, dec = model.encoder.layers[0].self_attn, model.decoder.layers[0]
+    assert (enc_attn.variant, enc_attn.form, enc_attn.causal) == ("d", "recurrent", False)
+    assert (dec.self_attn.variant, dec.self_attn.causal) == ("d", True)
+    assert type(dec.encoder_attn).__name__ == "LinearCrossAttention"
+    assert model.encoder.embed_positions is None and model.decoder.embed_positions is None
+    _, softmax = build(mt_data, "lit", "softmax")
+    assert type(softmax.decoder.layers[0].encoder_attn).__name__ == "MultiheadAttention"
+    with pytest.raises(ValueError, match="--lion-feature-map identity"):
+        build(mt_data, "s", "softmax", "--lion-feature-map", "identity")
+
+
+# ---- fairseq's tools, as a user runs them ---------------------------------------------------------------
+
+TRAIN = ["--task", "translation", "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "0.003",
+         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20", "--criterion", "label_smoothed_cross_entropy",
+         "--label-smoothing", "0.1", "--max-tokens", "1500", "--cpu", "--num-workers", "0", "--no-epoch-checkpoints",
+         "--log-format", "json", "--log-interval", "5", "--lion-chunk-size", "4", "--seed", "1"]
+
+
+@pytest.fixture(scope="module")
+def trained(mt_data, tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("mt_ckpt")
+    fairseq_cli("train", str(mt_data), *TRAIN, "--arch", "lion_s_transformer_tiny", "--max-update", "40",
+                "--save-dir", str(save), timeout=900)
+    return save / "checkpoint_best.pt"
+
+
+def generate(data: Path, ckpt: Path, *args: str) -> str:
+    return fairseq_cli("generate", str(data), "--user-dir", USER_DIR, "--path", str(ckpt), "--gen-subset", "test",
+                       "--batch-size", "16", "--cpu", *args).stdout
+
+
+def hypotheses(out: str) -> List[str]:
+    return [line for line in out.splitlines() if line.startswith("H-")]
+
+
+def test_generate_beam_nbest_sampling_prefix_and_bleu(mt_data, trained):
+    """fairseq-generate with beam search and --nbest, --max-len-b, sampling and --prefix-size; its BLEU
+    line; the same hypotheses and scores in every form (--model-overrides on the checkpoint)."""
+    beam = generate(mt_data, trained, "--beam", "4", "--nbest", "2", "--max-len-b", "20")
+    assert len(hypotheses(beam)) == 2 * 40 and "BLEU4 = " in beam
+    by_form = {form: hypotheses(generate(mt_data, trained, "--beam", "4", "--model-overrides",
+                                         f"{{'lion_form': '{form}'}}"))
+               for form in ("parallel", "recurrent")}
+    split = {form: [h.split("\t") for h in hyps] for form, hyps in by_form.items()}
+    assert len(split["parallel"]) == 40
+    for (i, score, text), (i2, score2, text2) in zip(split["parallel"], split["recurrent"]):
+        assert (i, text) == (i2, text2) and abs(float(score) - float(score2)) < 1e-4
+    sampled = generate(mt_data, trained, "--sampling", "--sampling-topk", "5", "--beam", "1", "--seed", "2")
+    assert len(hypotheses(sampled)) == 40
+    prefixed = generate(mt_data, trained, "--beam", "2", "--prefix-size", "1")
+    targets = {line.split("\t")[0][2:]: line.split("\t")[1].split()[0]
+               for line in prefixed.splitlines() if line.startswith("T-")}
+    for line in hypotheses(prefixed):
+        idx, _, text = line.split("\t")
+        assert text.split()[0] == targets[idx[2:]]  # the forced first target word
+
+
+def test_interactive_score_and_hub(mt_data, trained, tmp_path):
+    out = fairseq_cli("interactive", str(mt_data), "--user-dir", USER_DIR, "--path", str(trained), "--beam", "2",
+                      "--source-lang", "src", "--target-lang", "tgt", "--cpu", stdin="w1 w2 w3\nw4 w5\n").stdout
+    assert len([line for line in out.splitlines() if line.startswith("H-")]) == 2
+    gen = generate(mt_data, trained, "--beam", "2")
+    (tmp_path / "sys.txt").write_text("\n".join(h.split("\t")[2] for h in hypotheses(gen)) + "\n")
+    (tmp_path / "ref.txt").write_text("\n".join(line.split("\t")[1] for line in gen.splitlines()
+                                                 if line.startswith("T-")) + "\n")
+    score = subprocess.run([sys.executable, "-m", "fairseq_cli.score", "--sys", str(tmp_path / "sys.txt"),
+                            "--ref", str(tmp_path / "ref.txt")], capture_output=True, text=True, check=True)
+    assert "BLEU4 = " in score.stdout
+    import lion_fairseq  # noqa: F401  (registers the model, as --user-dir does)
+    from lion_fairseq.models.lion_transformer import LionTransformerModel
+
+    hub = LionTransformerModel.from_pretrained(str(trained.parent), trained.name, str(mt_data), beam=2)
+    assert len(hub.translate("w1 w2 w3").split()) >= 1
+    assert torch.load(trained, weights_only=True)["cfg"]["model"]["_name"] == "lion_s_transformer_tiny"
