@@ -177,6 +177,28 @@ def test_lm_train_eval_generate(wiki_data, tmp_path):
     assert all(len(h.split()) > 3 for h in hyps)
 
 
+def test_translation_prepare_train_generate(tmp_path):
+    """The IWSLT'14 recipe on a corpus in prepare-iwslt14.sh's layout (train/valid/test .de/.en) that the
+    test writes: the reversal task, tiny LION-S with linear cross-attention, generated in the recurrent form."""
+    from lion_fairseq.benchmark.translation import write_reversal_corpus
+
+    text = tmp_path / "iwslt14.tokenized.de-en"
+    write_reversal_corpus(text, sizes=(("train", 300), ("valid", 20), ("test", 12)))
+    for path in text.iterdir():  # the reversal corpus as German (source) and English (target)
+        path.rename(path.with_suffix({".src": ".de", ".tgt": ".en"}[path.suffix]))
+    run(["bash", RECIPES / "translation/prepare.sh", text, tmp_path / "bin"], WORKERS="1")
+    out = run(["bash", RECIPES / "translation/train.sh", tmp_path / "bin", tmp_path / "ckpt", "--num-workers", "0"],
+              ARCH="lion_s_transformer_tiny", CROSS_ATTENTION="linear", MAX_UPDATE="5", MAX_TOKENS="500",
+              WARMUP_UPDATES="2", LOG_INTERVAL="1", LION_CHUNK_SIZE="4")
+    assert len(records(out, "train_inner")) == 5
+    cfg = model_cfg(tmp_path / "ckpt" / "checkpoint_last.pt")["model"]
+    assert cfg["_name"] == "lion_s_transformer_tiny" and cfg["lion_cross_attention"] == "linear"
+    out = run(["bash", RECIPES / "translation/generate.sh", tmp_path / "bin", tmp_path / "ckpt" / "checkpoint_last.pt"],
+              BEAM="2", LION_FORM="recurrent")
+    assert len([line for line in out.splitlines() if line.startswith("H-")]) == 12 and "BLEU4 = " in out
+    assert "missing or empty" in run(["bash", RECIPES / "translation/prepare.sh", tmp_path, tmp_path / "x"], ok=False)
+
+
 def hydra(config_dir: str, name: str, *overrides: str) -> str:
     return run(["fairseq-hydra-train", "--config-dir", RECIPES / "hydra" / config_dir, "--config-name", name,
                 f"common.user_dir={USER_DIR}", *HYDRA_CPU, *overrides])

@@ -5,9 +5,6 @@ through a fixed permutation), written by the test.
 Decoding through the recurrent state equals the teacher-forced full pass (beam search, its reordering
 and its shrinking batch, left-padded sources) for every variant and both kinds of cross-attention; the
 decoder's state does not grow with the target; fairseq's own tools train, generate, score and serve it."""
-import argparse
-import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -16,29 +13,10 @@ from typing import List
 import pytest
 import torch
 
-from conftest import ROOT, USER_DIR, build_model, fairseq_cli
+from conftest import USER_DIR, build_model, fairseq_cli
+from lion_fairseq.benchmark.translation import write_reversal_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-WORDS = 30
-
-
-def write_reversal_corpus(root: Path, sizes=(("train", 1500), ("valid", 60), ("test", 40)), seed: int = 0) -> None:
-    """``{split}.src`` / ``{split}.tgt``: sources of 3-12 words ``w0..w29``; each target is the source
-    reversed, word i written ``t<perm[i]>``."""
-    rng = random.Random(seed)
-    perm = list(range(WORDS))
-    rng.shuffle(perm)
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n in sizes:
-        src, tgt = [], []
-        for _ in range(n):
-            words = [rng.randrange(WORDS) for _ in range(rng.randint(3, 12))]
-            src.append(" ".join(f"w{i}" for i in words))
-            tgt.append(" ".join(f"t{perm[i]}" for i in reversed(words)))
-        (root / f"{split}.src").write_text("\n".join(src) + "\n")
-        (root / f"{split}.tgt").write_text("\n".join(tgt) + "\n")
-
 
 @pytest.fixture(scope="module")
 def mt_data(tmp_path_factory) -> Path:
@@ -148,7 +126,7 @@ def trained(mt_data, tmp_path_factory) -> Path:
 
 def generate(data: Path, ckpt: Path, *args: str) -> str:
     return fairseq_cli("generate", str(data), "--user-dir", USER_DIR, "--path", str(ckpt), "--gen-subset", "test",
-                       "--batch-size", "16", "--cpu", *args).stdout
+                       "--batch-size", "16", "--required-batch-size-multiple", "1", "--cpu", *args).stdout
 
 
 def hypotheses(out: str) -> List[str]:

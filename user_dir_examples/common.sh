@@ -19,7 +19,7 @@ run() { printf '+' >&2; printf ' %q' "$@" >&2; printf '\n' >&2; "$@"; }
 
 need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found: activate the environment (source .venv/bin/activate)"; }
 
-# PRECISION=fp16|fp32 (default: fp16 when nvidia-smi sees a GPU, else fp32) -> fairseq-train flags.
+# PRECISION=fp16|amp|fp32 (default: fp16 when nvidia-smi sees a GPU, else fp32) -> fairseq-train flags.
 precision_flags() {
   local p="${PRECISION:-}"
   if [ -z "$p" ]; then
@@ -27,9 +27,10 @@ precision_flags() {
   fi
   case "$p" in
     fp16) echo "--fp16" ;;
+    amp) echo "--amp" ;;
     fp32) echo "" ;;
     bf16) die "PRECISION=bf16: fairseq-train --bf16 takes a TPU code path and crashes in fairseq 0.12; use the hydra recipe (common.bf16=true) or PRECISION=fp16" ;;
-    *) die "PRECISION must be fp16, fp32 (or bf16 through the hydra recipe), got '$p'" ;;
+    *) die "PRECISION must be fp16, amp, fp32 (or bf16 through the hydra recipe), got '$p'" ;;
   esac
 }
 
