@@ -172,3 +172,15 @@ def test_interactive_score_and_hub(mt_data, trained, tmp_path):
     hub = LionTransformerModel.from_pretrained(str(trained.parent), trained.name, str(mt_data), beam=2)
     assert len(hub.translate("w1 w2 w3").split()) >= 1
     assert torch.load(trained, weights_only=True)["cfg"]["model"]["_name"] == "lion_s_transformer_tiny"
+
+
+def test_decode_benchmark_state_grows_only_with_softmax_attention(tmp_path):
+    """benchmark.translation decode at small size: the decoding state of LION with linear cross-attention
+    is the same for any source, softmax cross-attention caches the source, the transformer both sides."""
+    from lion_fairseq.benchmark.translation import decode, decode_table
+
+    rows = decode(tmp_path, [8, 32], 16, 50)
+    mib = {(r["model"], r["S"]): r["state_mib"] for r in rows}
+    assert mib["lion_s linear cross-attn", 8] == mib["lion_s linear cross-attn", 32]
+    assert mib["lion_s", 8] < mib["lion_s", 32] and mib["transformer", 8] < mib["transformer", 32]
+    assert "| 32 | lion_s linear cross-attn |" in decode_table(rows)
