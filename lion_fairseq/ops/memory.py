@@ -3,7 +3,6 @@ the memory's state ``(S, z) = (sum_j k_j v_j^T, sum_j k_j)`` is computed once, a
 a query costs O(Dk * Dv) whatever the memory's length."""
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from .float32 import float32_math
