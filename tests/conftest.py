@@ -15,6 +15,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker gets its share of the cores, in process and in the fairseq commands it
+# starts. Two workers each starting 2-thread OpenMP on 2 cores made a tiny training 16x slower (each
+# small op waits for a thread the other process holds). Workers inherit the controller's environment,
+# so this is set, not defaulted.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 ROOT = Path(__file__).resolve().parents[1]
 USER_DIR = str(ROOT / "lion_fairseq")
 

@@ -12,11 +12,13 @@ on one thread each.
 ``decode``: base size (6 + 6 layers, 512, 8 heads, FFN 2048), batch 1, float32, one thread, untrained
 weights (speed does not depend on them): the source of S tokens is encoded once, then T target tokens
 are decoded through each decoder's ``incremental_state`` as fairseq's generator calls it; reports the
-median time of the 8 steps up to target positions 16, 256 and 1024, and the size of the decoding state (keys and
-values cached by softmax attention, ``(S, z)`` for LION) after 1024 tokens. Writes ``translation.md`` and
+median time of the 8 steps up to target positions 16, 256 and 1024, the size of the decoding state (keys and
+values cached by softmax attention, ``(S, z)`` for LION) after 1024 tokens, and the peak RSS of the process
+(one per model and source length: Python, torch, the weights and everything decoding held). Writes ``translation.md`` and
 ``translation.json`` into ``--out``."""
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -160,18 +162,30 @@ def time_decoding(model, S: int, T: int, vocab: int) -> Dict[str, float]:
     return out
 
 
-def decode(out: Path, sources: List[int], T: int, vocab: int) -> List[Dict]:
+def _decode_one(name: str, S: int, T: int, vocab: int) -> Dict:
+    """One model at one source length in a fresh process, so that its peak RSS is its own."""
+    import resource
+
     torch.set_num_threads(1)
-    rows = []
+    arch, extra = {n: (a, e) for n, a, e in DECODE_MODELS}[name]
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("src", "tgt"):
             (Path(tmp) / f"dict.{side}.txt").write_text("".join(f"w{i} {vocab - i}\n" for i in range(vocab - 4)))
-        models = {name: build(arch, Path(tmp), extra) for name, arch, extra in DECODE_MODELS}
-        for S in sources:
-            for name, model in models.items():
-                row = {"model": name, "S": S, "T": T, **time_decoding(model, S, T, vocab)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        model = build(arch, Path(tmp), extra)
+    row = {"model": name, "S": S, "T": T, **time_decoding(model, S, T, vocab)}
+    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return row
+
+
+def decode(out: Path, sources: List[int], T: int, vocab: int) -> List[Dict]:
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for S in sources:
+        for name, _, _ in DECODE_MODELS:
+            with ctx.Pool(1) as pool:
+                row = pool.apply(_decode_one, (name, S, T, vocab))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -193,10 +207,11 @@ def quality_table(rows: List[Dict]) -> str:
 def decode_table(rows: List[Dict]) -> str:
     T, at = rows[0]["T"], list(rows[0]["ms_at"])
     lines = ["| source tokens | model | encode s | " + " | ".join(f"ms/token at target {t}" for t in at)
-             + f" | state MiB after {T} |", "|---:|---|---:|" + "---:|" * len(at) + "---:|"]
+             + f" | state MiB after {T} | peak RSS MiB |", "|---:|---|---:|" + "---:|" * len(at) + "---:|---:|"]
     for r in rows:
         lines.append(f"| {r['S']} | {r['model']} | {r['encode_s']:.2f} | "
-                     + " | ".join(f"{r['ms_at'][t]:.1f}" for t in at) + f" | {r['state_mib']:.2f} |")
+                     + " | ".join(f"{r['ms_at'][t]:.1f}" for t in at)
+                     + f" | {r['state_mib']:.2f} | {r['peak_rss_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -205,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["quality", "decode"])
     parser.add_argument("--out", default="outputs/benchmark/translation")
-    parser.add_argument("--updates", type=int, default=1500, help="quality: updates per model")
+    parser.add_argument("--updates", type=int, default=600, help="quality: updates per model")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="quality: seeds")
     parser.add_argument("--sources", type=int, nargs="+", default=[64, 512, 2048, 8192], help="decode: source lengths")
     parser.add_argument("--target", type=int, default=1024, help="decode: target tokens decoded")
