@@ -17,7 +17,6 @@ table and a JSON file into ``--out``."""
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,16 +24,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .rss import maxrss_mib
+
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
 # the paper's MLM (Large) training time relative to BERT; LION-D is LION-RETNET
 PAPER_RATIO = {"lion_lit": 0.95, "lion_d": 1.10, "lion_s": 1.32}
 ROBERTA_VOCAB = 50265
 # like with like: LION has no attention weights to drop, and softmax attention keeps its fused kernel
 ATTENTION_DROPOUT = 0.0
-
-
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build(arch: str, L: int, vocab: int, form: str, chunk_size: int):
@@ -111,13 +108,13 @@ def measure(arch: str, mode: str, L: int, batch: int, vocab: int, threads: int, 
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() / 2 ** 20
         else:
-            base = _maxrss_mib()
+            base = maxrss_mib()
         t, c = time.perf_counter(), time.process_time()
         with torch.no_grad():
             model(tokens, features_only=True)
         sync()
         out["infer_s"], out["infer_cpu_s"] = time.perf_counter() - t, time.process_time() - c
-        peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else _maxrss_mib()
+        peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else maxrss_mib()
         out["peak_mib"] = peak - base
     return out
 

@@ -8,12 +8,13 @@ Run by ``python -m lion_fairseq.benchmark``, which starts each (layer, L) in a f
 and its input) is its own."""
 import argparse
 import json
-import resource
 import time
 from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+
+from .rss import maxrss_mib
 
 WIDTH, HEADS, FFN = 768, 12, 3072
 DROPOUT = 0.1
@@ -50,10 +51,6 @@ def build_layer(kind: str, form: str, chunk_size: int) -> nn.Module:
     return LionEncoderLayer(WIDTH, HEADS, FFN, dict(variant=kind, form=form, chunk_size=chunk_size), dropout=DROPOUT)
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # fairseq's softmax layer takes the padding mask positionally (None: no padding)
     return layer(x, None)
@@ -70,10 +67,10 @@ def measure(kind: str, form: str, L: int, threads: int, chunk_size: int, repeats
     layer.eval()
     with torch.no_grad():  # one-time set-up of thread pools and kernels is not the layer's memory
         _call(layer, x[:16])
-    base = _maxrss_mib()
+    base = maxrss_mib()
     with torch.no_grad():
         _call(layer, x)
-    out["peak_mib"] = _maxrss_mib() - base
+    out["peak_mib"] = maxrss_mib() - base
     for mode in modes:
         if L > limit(kind, form, mode):
             out[mode] = None

@@ -11,7 +11,6 @@ plot into ``--out``."""
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .plotting import against_length, pyplot
+from .rss import maxrss_mib
 
 IMPLS = ("sdpa", "parallel", "chunk", "recurrent")
 # beyond these lengths a run would not fit this machine's memory (the L x L forms) or take minutes
@@ -51,10 +51,6 @@ def matmul_gflops(threads: int, n: int = 2048, repeats: int = 3) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, chunk_size: int,
             repeats: int, modes: List[str]) -> Dict[str, Optional[float]]:
     """Run in the child process: returns seconds per mode (best of ``repeats``) and inference peak MiB."""
@@ -82,10 +78,10 @@ def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, c
     out: Dict[str, Optional[float]] = {}
     with torch.no_grad():  # one-time set-up of the libraries (thread pools, kernels) is not the form's memory
         run([x[..., :16, :] if x.dim() == 4 else x[..., :16] for x in inputs])
-    base = _maxrss_mib()
+    base = maxrss_mib()
     with torch.no_grad():
         run(inputs)
-    out["peak_mib"] = _maxrss_mib() - base
+    out["peak_mib"] = maxrss_mib() - base
     for mode in modes:
         if L > LIMITS.get((impl, mode), 1 << 30):
             out[mode] = None

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .rss import maxrss_mib
+
 WORDS = 30
 # (name, arch, extra options): fairseq's transformer and LION at the same size
 TINY = dict(encoder_embed_dim=128, encoder_ffn_embed_dim=256, encoder_layers=2, encoder_attention_heads=2,
@@ -165,8 +167,6 @@ def time_decoding(model, S: int, T: int, vocab: int) -> Dict[str, float]:
 
 def _decode_one(name: str, S: int, T: int, vocab: int) -> Dict:
     """One model at one source length in a fresh process, so that its peak RSS is its own."""
-    import resource
-
     torch.set_num_threads(1)
     arch, extra = {n: (a, e) for n, a, e in DECODE_MODELS}[name]
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,7 +174,7 @@ def _decode_one(name: str, S: int, T: int, vocab: int) -> Dict:
             (Path(tmp) / f"dict.{side}.txt").write_text("".join(f"w{i} {vocab - i}\n" for i in range(vocab - 4)))
         model = build(arch, Path(tmp), extra)
     row = {"model": name, "S": S, "T": T, **time_decoding(model, S, T, vocab)}
-    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    row["peak_rss_mib"] = maxrss_mib()
     return row
 
 
