@@ -165,10 +165,9 @@ def time_decoding(model, S: int, T: int, vocab: int) -> Dict[str, float]:
     return out
 
 
-def _decode_one(name: str, S: int, T: int, vocab: int) -> Dict:
+def _decode_one(name: str, arch: str, extra: List[str], S: int, T: int, vocab: int) -> Dict:
     """One model at one source length in a fresh process, so that its peak RSS is its own."""
     torch.set_num_threads(1)
-    arch, extra = {n: (a, e) for n, a, e in DECODE_MODELS}[name]
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("src", "tgt"):
             (Path(tmp) / f"dict.{side}.txt").write_text("".join(f"w{i} {vocab - i}\n" for i in range(vocab - 4)))
@@ -182,9 +181,9 @@ def decode(out: Path, sources: List[int], T: int, vocab: int) -> List[Dict]:
     rows = []
     ctx = multiprocessing.get_context("spawn")
     for S in sources:
-        for name, _, _ in DECODE_MODELS:
+        for name, arch, extra in DECODE_MODELS:
             with ctx.Pool(1) as pool:
-                row = pool.apply(_decode_one, (name, S, T, vocab))
+                row = pool.apply(_decode_one, (name, arch, extra, S, T, vocab))
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
