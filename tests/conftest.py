@@ -21,8 +21,9 @@ if not torch.cuda.is_available():
 # so this is set, not defaulted.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DIR = str(ROOT / "lion_fairseq")
