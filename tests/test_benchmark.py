@@ -29,3 +29,22 @@ def test_encoder_benchmark_builds_every_model_without_attention_dropout():
     assert {layer.self_attn.dropout_module.p for layer in roberta.encoder.sentence_encoder.layers} == {0.0}
     lion, _ = encoder_bench.build("lion_s_tiny", 16, vocab=100, form="chunk", chunk_size=8)
     assert lion.args.attention_dropout == 0
+
+
+def test_operator_benchmark_records_the_chunk_forms_matmuls():
+    """The ceiling the operator benchmark measures is the chunk form's own matmuls: recorded from one
+    forward+backward, their multiply-adds are exactly what ``chunk_flops`` counts for the form."""
+    import torch
+
+    from lion_fairseq.benchmark import operator as op_bench
+    from lion_fairseq.ops import lion_attention
+
+    B, H, L, D, C = 1, 2, 64, 8, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(B, H, L, D, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, L, D, generator=g).requires_grad_()
+    gates = [torch.full((B, H, L), -0.1, requires_grad=True) for _ in range(2)]
+    calls = op_bench.record_gemms(lambda: lion_attention(q, k, v, *gates, form="chunk", chunk_size=C).sum().backward())
+    replay = op_bench.replay_gemms(calls, repeats=1)
+    assert replay["flops"] == op_bench.chunk_flops(B, H, L, D, D, C)["fwdbwd"]
+    assert replay["best"] > 0

@@ -226,3 +226,42 @@ def test_bad_arguments_name_the_argument():
         lion_attention(q, k, v, key_padding_mask=torch.zeros(B, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="state"):
         lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1)))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("decay", [False, True])
+def test_chunk_scan_equals_the_sum_it_stands_for(reverse, decay):
+    """The scan over the chunk axis (the states entering each chunk, and their gradients) against the
+    literal sum ``sum_{j<m} (prod_{j<l<m} whole_l) U_j`` (``j > m`` when ``reverse``)."""
+    g = torch.Generator().manual_seed(4)
+    N, G = 7, 3
+    U = torch.randn(N, G, 4, 5, generator=g, dtype=torch.float64)
+    whole = torch.rand(N, G, generator=g, dtype=torch.float64) if decay else None
+    x = U.clone()
+    chunk_module.scan_([x], whole, reverse)
+    for m in range(N):
+        expect = torch.zeros_like(U[0])
+        for j in (range(m + 1, N) if reverse else range(m)):
+            between = range(m + 1, j) if reverse else range(j + 1, m)
+            factor = torch.ones(G, dtype=torch.float64)
+            for l in between:
+                factor = factor * (whole[l] if decay else 1.0)
+            expect += factor[:, None, None] * U[j]
+        assert torch.allclose(x[m], expect), m
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_chunk_decay_matrix_equals_exact_decays(bidirectional):
+    """The within-chunk decays built from sub-block factors against ``exp(c_i - c_j)`` taken directly,
+    with a chunk that is not a whole number of sub-blocks and gates both mild and steep."""
+    g = torch.Generator().manual_seed(5)
+    C = chunk_module.SUB * 2 + 3
+    logs = torch.cat([F.logsigmoid(torch.randn(2, C, generator=g, dtype=torch.float64) + 2),
+                      torch.full((1, C), -3.0, dtype=torch.float64)])
+    cf, cb = logs.cumsum(-1), logs.flip(0).cumsum(-1)
+    W = chunk_module.decay_matrix(cf, cb, bidirectional, 3, C, torch.float64, torch.device("cpu"))
+    i, j = torch.arange(C)[:, None], torch.arange(C)[None, :]
+    exact = torch.where(i >= j, (cf[:, :, None] - cf[:, None, :]).clamp(max=0).exp(), 0.0)
+    if bidirectional:
+        exact = exact + torch.where(i < j, (cb[:, None, :] - cb[:, :, None]).clamp(max=0).exp(), 0.0)
+    assert torch.allclose(W, exact, rtol=1e-12, atol=1e-300)

@@ -2,12 +2,17 @@
 what fairseq's layers compute) at the same shape: time of forward and of forward+backward, and the peak
 memory of inference, against sequence length.
 
-    python -m lion_fairseq.benchmark.operator                 # B=1, H=12, D=64, L=256..16384, 2 threads
+    python -m lion_fairseq.benchmark.operator                 # B=1, H=12, D=64, L=256..16384, 2 threads and 1
     python -m lion_fairseq.benchmark.operator --small         # a one-minute run (the README's demo)
 
 Each (implementation, L) runs in a fresh process, so that the peak resident memory it reports (the
 rise of ``ru_maxrss`` over the inputs) is its own. Writes a Markdown table, a JSON file and a log-log
-plot into ``--out``."""
+plot into ``--out``.
+
+For the chunk form it also measures its ceiling: the batched matmuls it runs (recorded from one
+forward+backward, every shape and stride as the op used them), replayed alone on random operands. The
+share ``matmuls alone / whole op`` is how close the form is to what the machine's GEMMs allow; the
+rest of its time is elementwise work, the scan's per-chunk steps and memory traffic."""
 import argparse
 import json
 import os
@@ -27,12 +32,11 @@ LIMITS = {("parallel", "fwd"): 8192, ("parallel", "fwdbwd"): 4096, ("recurrent",
 
 
 def chunk_flops(batch: int, heads: int, L: int, dk: int, dv: int, C: int) -> Dict[str, float]:
-    """Multiply-adds x 2 of the bidirectional, normalised chunk form (the normaliser is one more column of
-    v): per head, forward ``2LC(Dk+Dv) + 8L Dk Dv`` (the shared intra-chunk product and two directions'
-    states), backward ``2LC(3Dk+2Dv) + 24L Dk Dv``."""
-    dv = dv + 1
-    fwd = 2 * L * C * (dk + dv) + 8 * L * dk * dv
-    bwd = 2 * L * C * (3 * dk + 2 * dv) + 24 * L * dk * dv
+    """Multiply-adds x 2 of the bidirectional, normalised chunk form's matmuls, per head: forward
+    ``2LC(Dk+Dv)`` inside chunks, ``8L Dk Dv`` for both directions' states (made and read) and ``4L Dk``
+    for the normaliser's; backward ``4LC(Dk+Dv) + 16L Dk Dv + 4L Dk``."""
+    fwd = 2 * L * C * (dk + dv) + 8 * L * dk * dv + 4 * L * dk
+    bwd = 4 * L * C * (dk + dv) + 16 * L * dk * dv + 4 * L * dk
     return {"fwd": batch * heads * fwd, "fwdbwd": batch * heads * (fwd + bwd)}
 
 
@@ -49,6 +53,51 @@ def matmul_gflops(threads: int, n: int = 2048, repeats: int = 3) -> float:
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
+
+
+GEMMS = ("bmm.default", "bmm.out", "baddbmm.default", "baddbmm_.default", "baddbmm.out")
+
+
+def record_gemms(run) -> List[Dict]:
+    """The batched matmuls ``run()`` makes: each one's operands' shapes and strides."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: List[Dict] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func).split(".", 1)[-1]  # "aten.baddbmm_.default" -> "baddbmm_.default"
+            if name in GEMMS:
+                a, b = (args[0], args[1]) if "baddbmm" not in name else (args[1], args[2])
+                calls.append({"a": (tuple(a.shape), tuple(a.stride())), "b": (tuple(b.shape), tuple(b.stride())),
+                              "add": "baddbmm" in name})
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        run()
+    return calls
+
+
+def _strided(shape, stride):
+    import torch
+
+    return torch.empty_strided(shape, stride).normal_()
+
+
+def replay_gemms(calls: List[Dict], repeats: int) -> Dict[str, float]:
+    """Best and worst of ``repeats`` timings of the recorded matmuls alone, and their multiply-adds x 2."""
+    import torch
+
+    ops = [(_strided(*c["a"]), _strided(*c["b"]), c["add"]) for c in calls]
+    outs = [torch.empty(a.shape[0], a.shape[1], b.shape[2]) if add else None for a, b, add in ops]
+    times = []
+    for _ in range(repeats + 1):  # the first run pages in the operands
+        t = time.perf_counter()
+        for (a, b, add), o in zip(ops, outs):
+            o.baddbmm_(a, b) if add else torch.bmm(a, b)
+        times.append(time.perf_counter() - t)
+    flops = sum(2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] for a, b, _ in ops)
+    return {"best": min(times[1:]), "worst": max(times[1:]), "flops": float(flops)}
 
 
 def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, chunk_size: int,
@@ -86,23 +135,29 @@ def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, c
         if L > LIMITS.get((impl, mode), 1 << 30):
             out[mode] = None
             continue
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             if mode == "fwd":
                 t = time.perf_counter()
                 with torch.no_grad():
                     run(inputs)
-                best = min(best, time.perf_counter() - t)
+                times.append(time.perf_counter() - t)
             else:
                 leaves = [x.clone().requires_grad_() for x in inputs]
                 t = time.perf_counter()
                 run(leaves).sum().backward()
-                best = min(best, time.perf_counter() - t)
-        out[mode] = best
+                times.append(time.perf_counter() - t)
+        out[mode], out[f"{mode}_worst"] = min(times), max(times)
     if impl == "chunk":
         flops = chunk_flops(batch, heads, L, dim, dim, min(chunk_size, L))
         for mode in modes:
             out[f"gflops_{mode}"] = flops[mode] / out[mode] / 1e9
+        if "fwdbwd" in modes:
+            leaves = [x.clone().requires_grad_() for x in inputs]
+            gemm = replay_gemms(record_gemms(lambda: run(leaves).sum().backward()), repeats)
+            out["gemm_fwdbwd"] = gemm["best"]
+            out["gemm_gflops"] = gemm["flops"] / gemm["best"] / 1e9
+            out["gemm_share"] = gemm["best"] / out["fwdbwd"]
     return out
 
 
@@ -155,16 +210,33 @@ def plot(results: Dict[str, Dict[int, Dict]], path: Path) -> bool:
     return True
 
 
+def ceiling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int]) -> str:
+    """The chunk form against softmax and against its own matmuls, at each thread count."""
+    lines = ["| L | threads | chunk fwd+bwd s (best-worst) | softmax fwd+bwd s | speed-up | chunk GFLOP/s | "
+             "its matmuls alone s | share of its matmuls' rate |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for L in lengths:
+        for threads, res in scaling.items():
+            c, ref = res["chunk"].get(L, {}), res["sdpa"].get(L, {}).get("fwdbwd")
+            if not c.get("fwdbwd"):
+                continue
+            speed = f"{ref / c['fwdbwd']:.1f}x" if ref else "-"
+            lines.append(f"| {L} | {threads} | {fmt(c['fwdbwd'])}-{fmt(c['fwdbwd_worst'])} | {fmt(ref)} | {speed} | "
+                         f"{c['gflops_fwdbwd']:.1f} | {fmt(c.get('gemm_fwdbwd'))} | {100 * c.get('gemm_share', 0):.0f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 16384])
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="threads of the main table")
+    p.add_argument("--scaling-threads", type=int, nargs="*", default=[1],
+                   help="also time the chunk form and softmax with these thread counts")
     p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2, help="timings are the best of this many runs")
+    p.add_argument("--repeats", type=int, default=3, help="timings are the best of this many runs")
     p.add_argument("--small", action="store_true", help="L = 256..2048, one repeat: about a minute")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/operator"))
     p.add_argument("--child", nargs=2, metavar=("IMPL", "L"), help=argparse.SUPPRESS)
@@ -178,31 +250,34 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(json.dumps(r))
         return
     if args.small:
-        args.lengths, args.repeats = [256, 512, 1024, 2048], 1
+        args.lengths, args.repeats, args.scaling_threads = [256, 512, 1024, 2048], 1, []
     print(f"LION operator vs softmax attention: B={args.batch} H={args.heads} D={args.dim}, "
           f"{args.threads} threads, chunk {args.chunk_size}, best of {args.repeats}", flush=True)
-    peak = run_child(args, "matmul", 0).get("gflops")
-    if peak:
-        print(f"float32 matmul (2048^3): {peak:.1f} GFLOP/s", flush=True)
+    peaks = {t: run_child(argparse.Namespace(**dict(vars(args), threads=t)), "matmul", 0).get("gflops")
+             for t in [args.threads] + args.scaling_threads}
+    for t, g in peaks.items():
+        print(f"float32 matmul (2048^3), {t} threads: {fmt(g, 1)} GFLOP/s", flush=True)
     results: Dict[str, Dict[int, Dict]] = {impl: {} for impl in args.impls}
-    for L in args.lengths:
-        for impl in args.impls:
-            results[impl][L] = r = run_child(args, impl, L)
-            print(f"  L={L:6d} {impl:9s} " + ("error: " + r["error"] if "error" in r else
-                  f"fwd {fmt(r.get('fwd'))} s  fwd+bwd {fmt(r.get('fwdbwd'))} s  peak {fmt(r.get('peak_mib'))} MiB"),
-                  flush=True)
+    scaling: Dict[int, Dict[str, Dict[int, Dict]]] = {args.threads: results}
+    for threads in [args.threads] + args.scaling_threads:
+        ns = argparse.Namespace(**dict(vars(args), threads=threads))
+        impls = args.impls if threads == args.threads else [i for i in ("sdpa", "chunk") if i in args.impls]
+        res = scaling.setdefault(threads, {impl: {} for impl in impls})
+        for L in args.lengths:
+            for impl in impls:
+                res[impl][L] = r = run_child(ns, impl, L)
+                print(f"  {threads} thr L={L:6d} {impl:9s} " + ("error: " + r["error"] if "error" in r else
+                      f"fwd {fmt(r.get('fwd'))} s  fwd+bwd {fmt(r.get('fwdbwd'))} s  peak {fmt(r.get('peak_mib'))} MiB"),
+                      flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    md = table(results, args.lengths)
-    if "chunk" in results and peak:
-        md += "\n\nchunk form's achieved rate (float32 matmul on this machine: %.1f GFLOP/s):\n\n" % peak
-        md += "| L | fwd GFLOP/s | fwd+bwd GFLOP/s | fwd+bwd share of matmul |\n|---:|---:|---:|---:|\n"
-        for L, r in sorted(results["chunk"].items()):
-            if r.get("gflops_fwdbwd"):
-                md += (f"| {L} | {r['gflops_fwd']:.1f} | {r['gflops_fwdbwd']:.1f} | "
-                       f"{100 * r['gflops_fwdbwd'] / peak:.0f}% |\n")
+    md = ("float32 matmul (2048^3): " + ", ".join(f"{fmt(g, 1)} GFLOP/s on {t} threads" for t, g in peaks.items())
+          + f"; best of {args.repeats}\n\n" + table(results, args.lengths))
+    if "chunk" in results and "sdpa" in results:
+        md += "\n\nchunk form against softmax and against its own matmuls alone:\n\n" + ceiling_table(scaling, args.lengths)
     (args.out / "table.md").write_text(md + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                       "matmul_gflops": peak, "results": results}, indent=1))
+                                                       "matmul_gflops": peaks, "results": results,
+                                                       "scaling": scaling}, indent=1))
     print("\n" + md)
     if plot(results, args.out / "operator.png"):
         print(f"\nplot: {args.out / 'operator.png'}")

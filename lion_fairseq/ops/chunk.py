@@ -1,295 +1,329 @@
-"""The chunkwise form: exact attention inside chunks of C tokens, ``Dk x Dv`` states carried between them,
-one scan per direction. O(L*C*D + L*D^2) time, O(L*D) memory: no L x L tensor, and nothing of size
-L x C either, since the chunks are processed a block of tokens at a time.
+"""The chunkwise form: exact attention inside chunks of C tokens, ``Dk x Dv`` states carried between them.
+O(L*C*D + L*D^2) time, O(L*D) memory: no L x L tensor.
 
-Both directions are written as one masked product ``o = ((q k^T) * W) v`` inside a chunk, with
-``W = W_fwd + W_bwd^T``: ``W_fwd`` the lower triangle (diagonal included) of the forward decays and
-``W_bwd`` the strict lower triangle of the backward decays on shifted gates. Between chunks, each
-direction carries its state across the blocks: left to right for the forward direction, right to left
-for the backward one. The backward pass is written out (not traced through the loops): it recomputes
-each block's decays rather than storing them, so training stores only the inputs."""
-from typing import NamedTuple, Optional, Tuple
+Both directions share one masked product inside a chunk, ``A = (q k^T) * W`` with ``W = W_fwd + W_bwd^T``
+(``W_fwd`` the lower triangle, diagonal included, of the forward decays, ``W_bwd`` the strict lower
+triangle of the backward decays on shifted gates). Between chunks each direction has a state per chunk:
+the chunks' own contributions ``U_m = (k_m * own)^T v_m`` are batched matmuls, a scan over the chunk axis
+turns them into the state entering each chunk, and the two directions are read with one matmul:
+``[q * read_f | q * read_b] @ [E_f ; E_b]``. The normaliser has its own ``Dk`` vector states.
+
+The data is laid out chunk first, ``(N, G, C, D)`` with ``G = B*H``, so that a block of chunks of
+every head is one contiguous batch for ``bmm``: speed on a CPU comes from those matmuls and from
+touching each ``C x C`` matrix as few times as possible. The backward pass is written out and reuses
+the forward's ``A``, ``W`` and states rather than recomputing them."""
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Tokens per block: the block's C x C decays and scores (H * BLOCK * C floats) stay in the CPU's cache,
-# where a whole-sequence tensor of them would be paged in from memory afresh on every call.
-BLOCK_TOKENS = 1024
+# Tokens per block of chunks, all heads counted: the block's C x C matrices (4 * BLOCK_TOKENS * C bytes
+# each) stay in the CPU's cache between the ops that touch them.
+BLOCK_TOKENS = 4096
 
 
 class Decay(NamedTuple):
     """One direction's decays on the chunk grid for ``M_ij = exp(c_i - c_j)`` (i >= j), with ``c`` the
     within-chunk inclusive cumulative log-gate (float64, so ``c_i - c_j`` is exact near the diagonal);
     every exponent is a partial sum of log-gates, so <= 0."""
-    cum: Tensor         # (N, B, H, C) float64 c
-    from_start: Tensor  # (N, B, H, C) exp(c_i): decay from the chunk's start to i
-    to_end: Tensor      # (N, B, H, C) exp(c_last - c_j): decay from j to the chunk's end
-    whole: Tensor       # (N, B, H) exp(c_last): decay across the chunk
+    cum: Tensor         # (N, G, C) float64 c
+    from_start: Tensor  # (N, G, C) exp(c_i): decay from the chunk's start to i
+    to_end: Tensor      # (N, G, C) exp(c_last - c_j): decay from j to the chunk's end
+    whole: Tensor       # (N, G) exp(c_last): decay across the chunk
 
 
 def make_decay(log_a: Optional[Tensor], N: int, C: int, dtype: torch.dtype) -> Optional[Decay]:
-    """log_a: ``(B, H, N*C)`` or None (gates 1, no decay)."""
+    """log_a: ``(G, N*C)`` or None (gates 1, no decay)."""
     if log_a is None:
         return None
-    B, H, _ = log_a.shape
-    c = log_a.view(B, H, N, C).permute(2, 0, 1, 3).double().cumsum(-1)
+    c = log_a.view(log_a.shape[0], N, C).transpose(0, 1).double().cumsum(-1)
     return Decay(c, c.to(dtype).exp(), (c[..., -1:] - c).to(dtype).exp(), c[..., -1].to(dtype).exp())
 
 
 # Tokens per sub-block of a chunk's decay matrix: the diagonal sub-blocks take exact differences
-# (C * SUB exps), the rest of the lower triangle a rank-1 product per row sub-block.
+# (C * SUB exps), the rest a rank-1 product per row (forward) or column (backward) sub-block.
 SUB = 16
 
 
-def intra_decay(d: Optional[Decay], n0: int, n1: int, tri: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(n1-n0, B, H, C, C)`` decays ``exp(c_i - c_j)`` inside chunks n0..n1-1, zero outside the
-    triangle ``tri`` (the lower one, with or without its diagonal).
+def _factors(c: Tensor, S: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """c ``(b, P*S)`` float64, non-increasing. For row i in sub-block p and a column j before it,
+    ``exp(c_i - c_j) = rows[p, i] * cols[p, j]`` with the anchor ``a_p`` the cumulative log-gate just
+    before sub-block p: ``rows = exp(c_i - a_p)``, ``cols = exp(a_p - c_j)`` (0 from sub-block p on).
+    Both are decays; each exponent is taken in float64 and rounded once. Returns rows ``(b, P, S)``,
+    cols ``(b, P, P*S)``, and c as sub-blocks ``(b, P, S)``."""
+    b, PS = c.shape
+    P = PS // S
+    blocks = c.view(b, P, S)
+    anchor = F.pad(blocks[..., :-1, -1], (1, 0))  # (b, P): c before each sub-block (0 before the chunk)
+    before = torch.arange(PS, device=c.device)[None, :] < (torch.arange(P, device=c.device) * S)[:, None]
+    cols = (anchor[..., :, None] - c[..., None, :]).to(dtype).masked_fill_(~before, float("-inf")).exp_()
+    return (blocks - anchor[..., None]).to(dtype).exp_(), cols, blocks
 
-    Every exponent is <= 0, whatever the gates, and nothing is decided on the host (no device sync).
-    Rows are grouped in sub-blocks of ``SUB`` tokens; for row i in sub-block p and a column j before it,
-    ``exp(c_i - c_j) = exp(c_i - a_p) * exp(a_p - c_j)`` with the anchor ``a_p`` the cumulative log-gate
-    just before sub-block p, and both factors are decays (c does not increase). Each is exp'd in float64
-    and rounded once, so the product is within a few ulps of the exact decay; inside the diagonal
-    sub-blocks the exact differences are exp'd."""
-    if d is None:
-        return tri.to(dtype)
-    c = d.cum[n0:n1]  # (n, B, H, C) float64, non-increasing along C
-    C = c.shape[-1]
+
+def decay_matrix(cf: Optional[Tensor], cb: Optional[Tensor], bidirectional: bool, b: int, C: int,
+                 dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+    """``W = W_fwd + W_bwd^T`` ``(b, C, C)`` of b chunks from their cumulative log-gates ``cf``, ``cb``
+    ``(b, C)`` float64 (None: gates 1), or None when W is all ones (no decay either way).
+
+    ``W_ij = exp(cf_i - cf_j)`` for i >= j and ``exp(cb_j - cb_i)`` for i < j (0 when causal). Every
+    exponent is <= 0 whatever the gates, and is a difference taken in float64 (so exact near the
+    diagonal, where c_i - c_j is small beside c); nothing is decided on the host."""
+    if cf is None and cb is None:
+        if bidirectional:
+            return None
+        return torch.ones(C, C, dtype=dtype, device=device).tril().expand(b, C, C)
     S = min(SUB, C)
     P = -(-C // S)
-    if P * S > C:  # pad with the last value (gate 1): the extra rows and columns are cropped below
-        c = torch.cat([c, c[..., -1:].expand(*c.shape[:-1], P * S - C)], dim=-1)
-    blocks = c.view(*c.shape[:-1], P, S)
-    anchor = F.pad(blocks[..., :-1, -1], (1, 0))  # (..., P): c before each sub-block (0 before the chunk)
-    rows = (blocks - anchor[..., None]).exp().to(dtype)  # (..., P, S)
-    before = torch.arange(P * S, device=c.device)[None, :] < (torch.arange(P, device=c.device) * S)[:, None]
-    cols = (anchor[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp().to(dtype)
-    W = rows[..., :, :, None] * cols[..., :, None, :]  # (..., P, S, P*S): the sub-blocks left of the diagonal
-    diag = (blocks[..., :, None] - blocks[..., None, :]).masked_fill(~tri[:S, :S], float("-inf")).exp()
-    W = W.view(*W.shape[:-3], P, S, P, S)
-    W.diagonal(dim1=-4, dim2=-2).copy_(diag.movedim(-3, -1))
-    W = W.view(*W.shape[:-4], P * S, P * S)
-    return W[..., :C, :C].contiguous() if P * S > C else W
+
+    def padded(c: Optional[Tensor]) -> Tensor:  # gates 1 past the chunk's end: cropped below
+        if c is None:
+            return torch.zeros(b, P * S, dtype=torch.float64, device=device)
+        return torch.cat([c, c[:, -1:].expand(b, P * S - C)], dim=1) if P * S > C else c
+
+    lower = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    rows, cols, blocks = _factors(padded(cf), S, dtype)
+    W = (rows[..., None] * cols[..., None, :]).view(b, P * S, P * S)
+    diag = (blocks[..., :, None] - blocks[..., None, :]).to(dtype).masked_fill_(~lower, float("-inf")).exp_()
+    if bidirectional:  # column j in sub-block p, row i before it: W_ij = rows_b[p, j] * cols_b[p, i]
+        rows, cols, blocks = _factors(padded(cb), S, dtype)
+        W.view(b, P * S, P, S).addcmul_(cols.transpose(-1, -2)[..., None], rows[:, None])
+        diag += (blocks[..., None, :] - blocks[..., :, None]).to(dtype).masked_fill_(lower, float("-inf")).exp_()
+    W.view(b, P, S, P, S).diagonal(dim1=1, dim2=3).copy_(diag.movedim(1, -1))
+    return W[:, :C, :C].contiguous() if P * S > C else W
 
 
-def _scale(x: Tensor, s: Optional[Tensor]) -> Tensor:
-    return x * s[..., None] if s is not None else x
+def scan_(xs: List[Tensor], whole: Optional[Tensor], reverse: bool) -> None:
+    """In place, over the chunk axis of each x ``(N, G, ...)``: ``x[m] <- sum_{j<m} (prod_{j<l<m}
+    whole[l]) x[j]`` (``j > m`` and ``m<l<j`` when ``reverse``); whole ``(N, G)`` or None (1).
 
-
-def inter_block(x: Tensor, y: Tensor, z: Tensor, d: Optional[Decay], n0: int, n1: int, carry: Tensor,
-                reverse: bool) -> Tuple[Tensor, Tensor]:
-    """The between-chunk part for chunks n0..n1-1: ``o_i = sum_{j in earlier chunks} M_ij (x_i . y_j) z_j``
-    (later chunks when ``reverse``), through the states entering each chunk.
-
-    x, y: ``(n, B, H, C, Dk)``; z: ``(n, B, H, C, Dv)``; carry: ``(B, H, Dk, Dv)`` the state entering
-    the block from before it (after it when ``reverse``). Returns the block's ``(n, B, H, C, Dv)`` and the
-    state leaving it."""
-    s = slice(n0, n1)
-    if d is None:
-        own, read, whole = y, x, None
-    elif reverse:
-        own, read, whole = _scale(y, d.from_start[s]), _scale(x, d.to_end[s]), d.whole[s]
-    else:
-        own, read, whole = _scale(y, d.to_end[s]), _scale(x, d.from_start[s]), d.whole[s]
-    n = n1 - n0
-    # E_m: the state entering chunk m; E has one more slot for the state leaving the block
-    E = carry.new_empty((n + 1,) + carry.shape)
-    # each chunk's own contribution U_m, written straight into the slot after it
-    if reverse:
-        E[n] = carry
-        torch.matmul(own.transpose(-1, -2), z, out=E[:n])
-        steps = [(m, m, m + 1) for m in range(n - 1, -1, -1)]
-    else:
-        E[0] = carry
-        torch.matmul(own.transpose(-1, -2), z, out=E[1:])
-        steps = [(m, m + 1, m) for m in range(n)]
-    # one fused in-place op per chunk m: (state past m) = U_m + (decay across m) * (state before m)
-    for m, past, before in steps:
-        if whole is None:
-            E[past].add_(E[before])
-        else:
-            E[past].addcmul_(E[before], whole[m, :, :, None, None])
-    if reverse:
-        entering, leaving = E[1:], E[0]
-    else:
-        entering, leaving = E[:n], E[n]
-    return read @ entering, leaving.clone()
-
-
-def _blocks(N: int, C: int):
-    per = max(1, BLOCK_TOKENS // C)
-    return [(n0, min(n0 + per, N)) for n0 in range(0, N, per)]
-
-
-def _take(x: Tensor, s: slice, ones: bool = False) -> Tensor:
-    """Chunks ``s`` of ``(B, H, N, C, D)`` as one contiguous ``(n, B, H, C, D)`` batch for the matmuls,
-    with a column of ones added if ``ones``."""
-    x = x[:, :, s].permute(2, 0, 1, 3, 4)
-    return _with_ones(x) if ones else x.contiguous()
-
-
-def _put(dst: Tensor, s: slice, val: Tensor, add: bool = False) -> None:
-    view = dst[:, :, s]
-    val = val.permute(1, 2, 0, 3, 4)
-    view.add_(val) if add else view.copy_(val)
+    The chunks' own contributions become the states entering each chunk. Its adjoint is the same scan
+    the other way round, which is how the backward pass carries gradients between chunks. One fused op
+    per chunk and tensor, on every head at once."""
+    for x in xs:
+        state = torch.zeros_like(x[0])
+        nxt = torch.empty_like(state)
+        w = whole.view(whole.shape + (1,) * (x.dim() - 2)) if whole is not None else None
+        for m in (range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
+            if w is None:
+                torch.add(x[m], state, out=nxt)
+            else:
+                torch.addcmul(x[m], state, w[m], out=nxt)
+            x[m].copy_(state)
+            state, nxt = nxt, state
 
 
 class _Grid(NamedTuple):
-    """What the forward and backward passes share: each direction's decays, the masks, the blocks."""
+    """What the forward and backward passes share: each direction's decays and the blocks of chunks."""
     fwd: Optional[Decay]
     bwd: Optional[Decay]
-    lower: Tensor   # (C, C) bool, diagonal included: the forward direction
-    strict: Tensor  # (C, C) bool, diagonal excluded: the backward direction on shifted gates
-    blocks: list
+    bidirectional: bool
+    combined: bool  # bidirectional without decay: one state, of every chunk but the own one
+    blocks: List[Tuple[int, int]]
+
+    def dirs(self) -> int:
+        return 2 if self.bidirectional and not self.combined else 1
+
+    def scales(self, which: str, s: slice) -> List[Optional[Tensor]]:
+        """Per direction, the ``(n, G, C)`` scale of q (``read``) or of k (``own``) for the states."""
+        out = []
+        for d, read, own in ((self.fwd, "from_start", "to_end"), (self.bwd, "to_end", "from_start"))[:self.dirs()]:
+            out.append(getattr(d, read if which == "read" else own)[s] if d is not None else None)
+        return out
+
+    def stacked(self, x: Tensor, which: str, s: slice) -> Tensor:
+        """``[x * scale_f | x * scale_b]`` ``(n, G, C, dirs * D)`` of x ``(n, G, C, D)``."""
+        scales = self.scales(which, s)
+        if len(scales) == 1 and scales[0] is None:
+            return x
+        D = x.shape[-1]
+        out = x.new_empty(x.shape[:-1] + (len(scales) * D,))
+        for i, sc in enumerate(scales):
+            if sc is None:
+                out[..., i * D:(i + 1) * D] = x
+            else:
+                torch.mul(x, sc[..., None], out=out[..., i * D:(i + 1) * D])
+        return out
+
+    def add_scaled(self, dst: Tensor, x: Tensor, which: str, s: slice) -> None:
+        """``dst += sum_dir scale_dir * x[..., dir]`` for x ``(n, G, C, dirs * D)``."""
+        D = dst.shape[-1]
+        for i, sc in enumerate(self.scales(which, s)):
+            part = x[..., i * D:(i + 1) * D]
+            dst.add_(part) if sc is None else dst.addcmul_(part, sc[..., None])
+
+    def matrix(self, s: slice, n: int, G: int, C: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+        """``W`` of the chunks ``s``, ``(n * G, C, C)``, or None (all ones)."""
+        cf = self.fwd.cum[s].reshape(n * G, C) if self.fwd is not None else None
+        cb = self.bwd.cum[s].reshape(n * G, C) if self.bwd is not None else None
+        return decay_matrix(cf, cb, self.bidirectional, n * G, C, dtype, device)
+
+    def states_(self, xs: List[Tensor]) -> None:
+        """The chunks' contributions ``(N, G, dirs*Dk, ...)`` -> the states entering each chunk, in place."""
+        if self.combined:
+            for x in xs:
+                total = x.sum(0)
+                x.neg_().add_(total)  # every chunk but the own one: total - own
+            return
+        Dk = xs[0].shape[2] // self.dirs()
+        scan_([x[:, :, :Dk] for x in xs], self.fwd.whole if self.fwd is not None else None, reverse=False)
+        if self.dirs() == 2:
+            scan_([x[:, :, Dk:] for x in xs], self.bwd.whole if self.bwd is not None else None, reverse=True)
+
+    def state_grads_(self, xs: List[Tensor]) -> None:
+        """Gradients w.r.t. the entering states -> w.r.t. the contributions, in place (``states_``'s adjoint)."""
+        if self.combined:
+            self.states_(xs)  # total - own is its own adjoint
+            return
+        Dk = xs[0].shape[2] // self.dirs()
+        scan_([x[:, :, :Dk] for x in xs], self.fwd.whole if self.fwd is not None else None, reverse=True)
+        if self.dirs() == 2:
+            scan_([x[:, :, Dk:] for x in xs], self.bwd.whole if self.bwd is not None else None, reverse=False)
 
 
-def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], N: int, C: int, dtype: torch.dtype,
-          device: torch.device) -> _Grid:
-    lower = torch.ones(C, C, dtype=torch.bool, device=device).tril()
-    return _Grid(make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype), lower, lower.tril(-1),
-                 _blocks(N, C))
+def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], G: int, N: int, C: int, bidirectional: bool,
+          dtype: torch.dtype) -> _Grid:
+    per = max(1, BLOCK_TOKENS // (C * G))
+    fwd, bwd = make_decay(log_f, N, C, dtype), make_decay(log_b, N, C, dtype) if bidirectional else None
+    return _Grid(fwd, bwd, bidirectional, bidirectional and fwd is None and bwd is None,
+                 [(n0, min(n0 + per, N)) for n0 in range(0, N, per)])
 
 
-def _masks(g: _Grid, n0: int, n1: int, bidirectional: bool, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
-    """``W_fwd`` and ``W_bwd^T`` (None when causal) of chunks n0..n1-1; ``W`` is their sum."""
-    Wf = intra_decay(g.fwd, n0, n1, g.lower, dtype)
-    return Wf, intra_decay(g.bwd, n0, n1, g.strict, dtype).transpose(-1, -2) if bidirectional else None
-
-
-def _with_ones(v: Tensor) -> Tensor:
-    """v ``(..., Dv)`` with a column of ones: the normaliser ``sum_j A_ij`` rides along as one more output."""
-    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+def _flat(x: Tensor) -> Tensor:
+    """``(n, G, C, D)`` -> ``(n * G, C, D)``, the batch of the matmuls."""
+    return x.view(-1, *x.shape[2:])
 
 
 class _ChunkAttention(torch.autograd.Function):
     """``o = ((q k^T) * W) v`` on the chunk grid, divided by ``((q k^T) * W) 1 + eps`` when normalising:
-    q, k ``(B, H, N, C, Dk)``, v ``(B, H, N, C, Dv)`` (padded to N*C tokens); log-gates ``(B, H, N*C)``
-    or None. The normaliser is a column of ones added to each block of v, and the division is done per
-    block, so that no sequence-long temporary is made for either."""
+    q, k ``(N, G, C, Dk)``, v ``(N, G, C, Dv)``, contiguous, chunk first (padded to N*C tokens);
+    log-gates ``(G, N*C)`` or None. The normaliser's states are ``(dirs*Dk,)`` vectors beside the
+    ``(dirs*Dk, Dv)`` ones, so that every matmul is as wide as v (a column of ones in v would make them
+    Dv + 1 wide, which the GEMM kernels run markedly slower). Training keeps each block's ``A`` and ``W``
+    and the states for the backward pass (O(L*C + L*D) per head); inference, one block at a time."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_f, log_b, C, bidirectional, normalize, eps):
-        B, H, N, _, Dk = q.shape
-        Dv = v.shape[-1] + normalize
-        dtype = q.dtype
-        g = _grid(log_f, log_b, N, C, dtype, q.device)
-        y = v.new_empty(v.shape)
-        den = q.new_empty(N, B, H, C) if normalize else None
-
-        def finish(o: Tensor, s: slice) -> None:
-            if normalize:
-                den[s] = o[..., -1]
-                o = o[..., :-1] / (o[..., -1:] + eps)
-            _put(y, s, o)
-
-        # the forward direction's part of each block waits here (chunks first) for the backward one's
-        partial = q.new_empty(N, B, H, C, Dv) if bidirectional else None
-        carry = q.new_zeros(B, H, Dk, Dv)
-        for n0, n1 in g.blocks:  # within chunks, and the forward direction's states
+    def forward(ctx, q, k, v, log_f, log_b, bidirectional, normalize, eps):
+        N, G, C, Dk = q.shape
+        grid = _grid(log_f, log_b, G, N, C, bidirectional, q.dtype)
+        train = any(ctx.needs_input_grad[:5])
+        saved = []
+        y = torch.empty_like(v)
+        E = q.new_empty(N, G, grid.dirs() * Dk, v.shape[-1])
+        Z = q.new_empty(N, G, grid.dirs() * Dk) if normalize else None
+        den = q.new_empty(N, G, C) if normalize else None
+        for n0, n1 in grid.blocks:  # within chunks, and each chunk's own contribution to the states
             s = slice(n0, n1)
-            Wf, Wb = _masks(g, n0, n1, bidirectional, dtype)
-            W = Wf + Wb if Wb is not None else Wf
-            qs, ks, vs = _take(q, s), _take(k, s), _take(v, s, normalize)
-            o, carry = inter_block(qs, ks, vs, g.fwd, n0, n1, carry, reverse=False)
-            o.add_(((qs @ ks.transpose(-1, -2)) * W) @ vs)
-            if bidirectional:
-                partial[s] = o
-            else:
-                finish(o, s)
-        if bidirectional:
-            carry = q.new_zeros(B, H, Dk, Dv)
-            for n0, n1 in reversed(g.blocks):
-                s = slice(n0, n1)
-                o, carry = inter_block(_take(q, s), _take(k, s), _take(v, s, normalize), g.bwd, n0, n1, carry,
-                                       reverse=True)
-                finish(o.add_(partial[s]), s)
-        ctx.save_for_backward(q, k, v, log_f, log_b, y, den)
-        ctx.C, ctx.bidirectional, ctx.normalize, ctx.eps = C, bidirectional, normalize, eps
+            qs, ks, vs = _flat(q[s]), _flat(k[s]), _flat(v[s])
+            A = torch.bmm(qs, ks.transpose(1, 2))
+            W = grid.matrix(s, n1 - n0, G, C, q.dtype, q.device)
+            if W is not None:
+                A.mul_(W)
+            torch.bmm(A, vs, out=_flat(y[s]))
+            own = grid.stacked(k[s], "own", s)
+            torch.bmm(_flat(own).transpose(1, 2), vs, out=_flat(E[s]))
+            if normalize:
+                torch.sum(A.view(n1 - n0, G, C, C), -1, out=den[s])
+                torch.sum(own, -2, out=Z[s])
+            if train:
+                saved.append((A, W))
+        grid.states_([E, Z] if normalize else [E])
+        for n0, n1 in grid.blocks:  # both directions' states, read with one matmul
+            s = slice(n0, n1)
+            read = _flat(grid.stacked(q[s], "read", s))
+            _flat(y[s]).baddbmm_(read, _flat(E[s]))
+            if normalize:
+                _flat(den[s]).unsqueeze(-1).baddbmm_(read, _flat(Z[s]).unsqueeze(-1))
+                y[s] /= den[s, ..., None] + eps
+        if train:
+            ctx.save_for_backward(q, k, v, log_f, log_b, y, den, E, Z)
+            ctx.blocks_saved = saved
+        ctx.bidirectional, ctx.normalize, ctx.eps = bidirectional, normalize, eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, log_f, log_b, y, den = ctx.saved_tensors
-        C, bidirectional, normalize, eps = ctx.C, ctx.bidirectional, ctx.normalize, ctx.eps
-        B, H, N, _, Dk = q.shape
-        Dv = v.shape[-1] + normalize
-        dtype = q.dtype
-        g = _grid(log_f, log_b, N, C, dtype, q.device)
-        fwd, bwd = g.fwd, g.bwd
+        q, k, v, log_f, log_b, y, den, E, Z = ctx.saved_tensors
+        saved = ctx.blocks_saved
+        normalize, eps = ctx.normalize, ctx.eps
+        N, G, C, Dk = q.shape
+        grid = _grid(log_f, log_b, G, N, C, ctx.bidirectional, q.dtype)
+        fwd, bwd = grid.fwd, grid.bwd
+        dy = dy.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-        def grad_out(s: slice) -> Tensor:
-            """The gradient w.r.t. the block's unnormalised output (and its normaliser column)."""
-            dys = _take(dy, s)
-            if not normalize:
-                return dys
-            inv = 1.0 / (den[s, ..., None] + eps)
-            return torch.cat([dys * inv, -(dys * _take(y, s)).sum(-1, keepdim=True) * inv], dim=-1)
-
-        def put_dv(s: slice, val: Tensor, add: bool = False) -> None:
-            _put(dv, s, val[..., :-1] if normalize else val, add)  # the ones column has no gradient
-
+        if normalize:  # the gradients w.r.t. the unnormalised output and the normaliser
+            inv = 1.0 / (den + eps)
+            do = dy * inv[..., None]
+            dden = (dy * y).sum(-1).mul_(inv).neg_()
+        else:
+            do, dden = dy, None
+        dE = torch.empty_like(E)
+        dZ = torch.empty_like(Z) if normalize else None
         # d loss / d (cumulative log-gate at t) = what t gains as a query minus what it gives as a key,
-        # P_ij = M_ij (q_i . k_j)(do_i . v_j); log_a_u enters every cumulative sum from u on.
-        dcum_f = q.new_zeros(N, B, H, C) if fwd is not None else None
-        dcum_b = q.new_zeros(N, B, H, C) if bwd is not None else None
-        # dq = ((do v^T) * W) k, dk = ((v do^T) * W^T) q, dv = ((k q^T) * W^T) do: the inside of chunks,
-        # then the between-chunk parts whose states run left to right (forward direction's dq, backward
-        # direction's dk and dv), then those running right to left.
-        c_dq, c_dk, c_dv = q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dk, Dv)
-        for n0, n1 in g.blocks:
+        # P_ij = M_ij (q_i . k_j)(do_i . v_j + dden_i); log_a_u enters every cumulative sum from u on.
+        dcum_f = q.new_zeros(N, G, C) if fwd is not None else None
+        dcum_b = q.new_zeros(N, G, C) if bwd is not None else None
+        for (n0, n1), (A, W) in zip(grid.blocks, saved):
             s = slice(n0, n1)
-            qs, ks, vs, dos = _take(q, s), _take(k, s), _take(v, s, normalize), grad_out(s)
-            Wf, Wb = _masks(g, n0, n1, bidirectional, dtype)
-            W = Wf + Wb if Wb is not None else Wf
-            qk, dov = qs @ ks.transpose(-1, -2), dos @ vs.transpose(-1, -2)
-            dovW = dov * W
-            dq_f, c_dq = inter_block(dos, vs, ks, fwd, n0, n1, c_dq, reverse=False)
-            dk_s = dovW.transpose(-1, -2) @ qs
-            dv_s = (qk * W).transpose(-1, -2) @ dos
+            n = n1 - n0
+            qs, ks, vs, dos = _flat(q[s]), _flat(k[s]), _flat(v[s]), _flat(do[s])
+            dA = torch.bmm(dos, vs.transpose(1, 2))
+            if normalize:
+                dA += _flat(dden[s])[..., None]
+            torch.bmm(A.transpose(1, 2), dos, out=_flat(dv[s]))
             if fwd is not None or bwd is not None:
-                E = qk * dov
-            if fwd is not None:
-                Ef = E * Wf
-                dcum_f[s] = Ef.sum(-1) - Ef.sum(-2) + (qs * dq_f).sum(-1)
-            _put(dq, s, dq_f.add_(dovW @ ks))
-            if bidirectional:
-                dk_b, c_dk = inter_block(vs, dos, qs, bwd, n0, n1, c_dk, reverse=False)
-                dv_b, c_dv = inter_block(ks, qs, dos, bwd, n0, n1, c_dv, reverse=False)
+                X = (A * dA).view(n, G, C, C)  # P_ij inside the chunk
+                rows, cols = X.sum(-1), X.sum(-2)
+                if grid.bidirectional:
+                    X.tril_()
+                    rows_f, cols_f = X.sum(-1), X.sum(-2)
+                else:
+                    rows_f, cols_f = rows, cols
+                if fwd is not None:
+                    dcum_f[s] += rows_f - cols_f
                 if bwd is not None:
-                    Eb = E * Wb  # query t, key s > t; s plays the role of i
-                    dcum_b[s] = Eb.sum(-2) - Eb.sum(-1) + (ks * dk_b).sum(-1)
-                dk_s += dk_b
-                dv_s += dv_b
-            _put(dk, s, dk_s)
-            put_dv(s, dv_s)
-        c_dk, c_dv, c_dq = q.new_zeros(B, H, Dv, Dk), q.new_zeros(B, H, Dk, Dv), q.new_zeros(B, H, Dv, Dk)
-        for n0, n1 in reversed(g.blocks):
+                    dcum_b[s] += (cols - cols_f) - (rows - rows_f)
+            if W is not None:
+                dA.mul_(W)
+            torch.bmm(dA, ks, out=_flat(dq[s]))
+            torch.bmm(dA.transpose(1, 2), qs, out=_flat(dk[s]))
+            read = grid.stacked(q[s], "read", s)
+            torch.bmm(_flat(read).transpose(1, 2), dos, out=_flat(dE[s]))
+            dread = torch.bmm(dos, _flat(E[s]).transpose(1, 2)).view(read.shape)
+            if normalize:
+                dread.addcmul_(dden[s, ..., None], Z[s, :, None, :])
+                torch.bmm(_flat(read).transpose(1, 2), _flat(dden[s])[..., None], out=_flat(dZ[s])[..., None])
+            grid.add_scaled(dq[s], dread, "read", s)
+            if dcum_f is not None or dcum_b is not None:
+                gain = (read * dread).view(n, G, C, -1, Dk).sum(-1)
+                if dcum_f is not None:
+                    dcum_f[s] += gain[..., 0]
+                if dcum_b is not None:
+                    dcum_b[s] -= gain[..., 1]
+        grid.state_grads_([dE, dZ] if normalize else [dE])
+        for n0, n1 in grid.blocks:
             s = slice(n0, n1)
-            qs, ks, vs, dos = _take(q, s), _take(k, s), _take(v, s, normalize), grad_out(s)
-            dk_f, c_dk = inter_block(vs, dos, qs, fwd, n0, n1, c_dk, reverse=True)
-            dv_f, c_dv = inter_block(ks, qs, dos, fwd, n0, n1, c_dv, reverse=True)
-            if fwd is not None:
-                dcum_f[s] -= (ks * dk_f).sum(-1)
-            _put(dk, s, dk_f, add=True)
-            put_dv(s, dv_f, add=True)
-            if bidirectional:
-                dq_b, c_dq = inter_block(dos, vs, ks, bwd, n0, n1, c_dq, reverse=True)
-                if bwd is not None:
-                    dcum_b[s] -= (qs * dq_b).sum(-1)
-                _put(dq, s, dq_b, add=True)
+            own = grid.stacked(k[s], "own", s)
+            down = torch.bmm(_flat(v[s]), _flat(dE[s]).transpose(1, 2)).view(own.shape)
+            if normalize:
+                down += dZ[s, :, None, :]
+            _flat(dv[s]).baddbmm_(_flat(own), _flat(dE[s]))
+            grid.add_scaled(dk[s], down, "own", s)
+            if dcum_f is not None or dcum_b is not None:
+                give = (own * down).view(n1 - n0, G, C, -1, Dk).sum(-1)
+                if dcum_f is not None:
+                    dcum_f[s] -= give[..., 0]
+                if dcum_b is not None:
+                    dcum_b[s] += give[..., 1]
         dlog_f = _suffix_sum(dcum_f) if dcum_f is not None and ctx.needs_input_grad[3] else None
         dlog_b = _suffix_sum(dcum_b) if dcum_b is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, dlog_f, dlog_b, None, None, None, None
+        return dq, dk, dv, dlog_f, dlog_b, None, None, None
 
 
 def _suffix_sum(dcum: Tensor) -> Tensor:
-    """``(N, B, H, C)`` per-position gradients of cumulative sums -> ``(B, H, N*C)`` gradients of the
+    """``(N, G, C)`` per-position gradients of cumulative sums -> ``(G, N*C)`` gradients of the
     log-gates; position 0's gate lies on no path."""
-    N, B, H, C = dcum.shape
-    flat = dcum.permute(1, 2, 0, 3).reshape(B, H, N * C).double()
+    flat = dcum.transpose(0, 1).reshape(dcum.shape[1], -1).double()
     out = flat.flip(-1).cumsum(-1).flip(-1)
     out[..., 0] = 0.0
     return out.to(dcum.dtype)
@@ -308,11 +342,17 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor]
     # The backward direction as a forward-style decay on gates shifted by one:
     # b_i ... b_{j-1} = a'_{i+1} ... a'_j with a'_u = b_{u-1}.
     log_b = F.pad(log_a_bwd[..., :-1], (1, 0)) if (log_a_bwd is not None and not causal) else None
+    log_f = log_a_fwd
     if pad:  # zero tokens and gates of 1 at the end: they contribute nothing in either direction
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        log_a_fwd = F.pad(log_a_fwd, (0, pad)) if log_a_fwd is not None else None
+        log_f = F.pad(log_f, (0, pad)) if log_f is not None else None
         log_b = F.pad(log_b, (0, pad)) if log_b is not None else None
-    y = _ChunkAttention.apply(q.reshape(B, H, N, C, Dk), k.reshape(B, H, N, C, Dk), v.reshape(B, H, N, C, Dv),
-                              log_a_fwd, log_b, C, not causal, normalize, eps)
-    y = y.reshape(B, H, N * C, Dv)
+    G = B * H
+
+    def chunk_first(x: Tensor) -> Tensor:  # (B, H, N*C, D) -> (N, B*H, C, D), one copy
+        return x.reshape(G, N, C, x.shape[-1]).transpose(0, 1).contiguous()
+
+    gates = [x.reshape(G, N * C) if x is not None else None for x in (log_f, log_b)]
+    y = _ChunkAttention.apply(chunk_first(q), chunk_first(k), chunk_first(v), *gates, not causal, normalize, eps)
+    y = y.view(N, B, H, C, Dv).permute(1, 2, 0, 3, 4).reshape(B, H, N * C, Dv)
     return y[:, :, :L] if pad else y
