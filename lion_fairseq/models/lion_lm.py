@@ -191,6 +191,9 @@ def lion_lm_base(args: Any) -> None:
         lion_chunk_size=64,
         lion_normalize=True,
         lion_norm_after=False,
+        lion_gate_temperature=1.0,
+        lion_output_gate=False,
+        lion_short_conv=0,
         activation_fn="gelu",
         dropout=0.1,
         activation_dropout=0.0,
@@ -208,9 +211,16 @@ def _size(args: Any, layers: int, dim: int, heads: int, ffn: int) -> None:
                          decoder_ffn_embed_dim=ffn))
 
 
-def _arch(name: str, variant: str, tiny: bool) -> None:
+# what the ``_plus`` archs add to the paper's model, chosen by ``python -m lion_fairseq.benchmark.quality``
+# (README "Language-model quality": what each addition is worth)
+PLUS_LEVERS = dict(lion_short_conv=4, lion_output_gate=True, lion_gate_temperature=8.0)
+
+
+def _arch(name: str, variant: str, tiny: bool, plus: bool = False) -> None:
     def arch(args: Any) -> None:
         set_unset(args, dict(lion_variant=variant))
+        if plus:
+            set_unset(args, PLUS_LEVERS)
         if tiny:
             _size(args, 2, 128, 2, 512)
         else:
@@ -218,7 +228,8 @@ def _arch(name: str, variant: str, tiny: bool) -> None:
         lion_lm_base(args)
 
     arch.__name__ = arch.__qualname__ = name
-    arch.__doc__ = f"LION-{variant.upper()} causal LM, {'tiny (2 x 128, 2 heads)' if tiny else 'transformer_lm size (6 x 512, 8 heads)'}."
+    arch.__doc__ = (f"LION-{variant.upper()} causal LM{' with ' + str(PLUS_LEVERS) if plus else ''}, "
+                    f"{'tiny (2 x 128, 2 heads)' if tiny else 'transformer_lm size (6 x 512, 8 heads)'}.")
     register_model_architecture("lion_lm", name)(arch)
 
 
@@ -226,3 +237,6 @@ for _variant, _names in {"lit": ["lion_lit_lm"], "d": ["lion_d_lm", "lion_retnet
     for _name in _names:
         _arch(_name, _variant, tiny=False)
     _arch(f"lion_{_variant}_lm_tiny", _variant, tiny=True)
+# the paper's LION-S plus the levers of PLUS_LEVERS (the names above keep the paper's model)
+_arch("lion_s_lm_plus", "s", tiny=False, plus=True)
+_arch("lion_s_lm_plus_tiny", "s", tiny=True, plus=True)

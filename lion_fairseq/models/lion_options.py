@@ -34,6 +34,17 @@ class LionOptions(FairseqDataclass):
     lion_norm_after: bool = field(default=False, metadata={"help": "LayerNorm over each head's output after attention"})
     lion_positions: Optional[LION_POSITION_CHOICES] = field(
         default=None, metadata={"help": "learned absolute positions or none (default: learned for lit, none for d and s)"})
+    # the levers of issue 14 (gated linear attention's additions); None: the arch decides, which for the
+    # archs named after the paper's models is the paper's model (1, off, 0)
+    lion_gate_temperature: Optional[float] = field(
+        default=None, metadata={"help": "log-gate = logsigmoid(logit) / this (GLA's tau; > 1 pulls the decays "
+                                        "towards 1, longer memories); d and s only (default: the arch's, 1)"})
+    lion_output_gate: Optional[bool] = field(
+        default=None, metadata={"help": "multiply the head outputs by swish(W_g x) before the output projection "
+                                        "(GLA, RetNet); --no-lion-output-gate to turn off (default: the arch's)"})
+    lion_short_conv: Optional[int] = field(
+        default=None, metadata={"help": "width N of a depthwise convolution over the projected q, k, v (causal "
+                                        "in decoders, centred and odd in encoders); 0: none (default: the arch's)"})
 
 
 def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
@@ -53,8 +64,9 @@ def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
 
 
 def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
-    """``--lion-normalize/--no-lion-normalize``."""
+    """``--lion-normalize/--no-lion-normalize``, ``--lion-output-gate/--no-lion-output-gate``."""
     boolean_optional(parser, "--lion-normalize")
+    boolean_optional(parser, "--lion-output-gate")
 
 
 def set_unset(args: Any, values: Dict[str, Any]) -> None:
@@ -85,10 +97,20 @@ def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
     feature_map = getattr(cfg, "lion_feature_map", None) or DEFAULT_FEATURE_MAP.get(variant, "elu")
     kwargs = dict(variant=variant, form=str(cfg.lion_form), chunk_size=cfg.lion_chunk_size,
                   feature_map=str(feature_map), normalize=bool(cfg.lion_normalize),
-                  norm_after=bool(cfg.lion_norm_after))
+                  norm_after=bool(cfg.lion_norm_after), **lever_kwargs(cfg))
     check_lion_options(kwargs["variant"], kwargs["form"], kwargs["chunk_size"], kwargs["feature_map"],
-                       kwargs["normalize"])
+                       kwargs["normalize"], kwargs["gate_temperature"], kwargs["short_conv"])
     return kwargs
+
+
+def lever_kwargs(cfg: Any) -> Dict[str, Any]:
+    """The levers' ``LionAttention`` arguments; a config without them (a checkpoint saved before they
+    existed) or left at None gets the paper's model."""
+    tau = getattr(cfg, "lion_gate_temperature", None)
+    conv = getattr(cfg, "lion_short_conv", None)
+    return dict(gate_temperature=1.0 if tau is None else float(tau),
+                output_gate=bool(getattr(cfg, "lion_output_gate", None) or False),
+                short_conv=0 if conv is None else int(conv))
 
 
 def lion_positions(cfg: Any) -> str:

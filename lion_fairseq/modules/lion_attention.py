@@ -16,8 +16,10 @@ VARIANTS = ("lit", "d", "s")
 DEFAULT_FEATURE_MAP = {"lit": "elu", "d": "silu_norm", "s": "silu_norm"}
 
 
-def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: str, normalize: bool) -> None:
-    """Raise ValueError naming the command-line option for a bad combination."""
+def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: str, normalize: bool,
+                       gate_temperature: float = 1.0, short_conv: int = 0, causal: Optional[bool] = None) -> None:
+    """Raise ValueError naming the command-line option for a bad combination (``causal`` None: the
+    direction is not known yet, checks that depend on it wait for the module)."""
     if variant not in VARIANTS:
         raise ValueError(f"--lion-variant must be one of {VARIANTS}; got {variant!r}")
     if form not in FORMS:
@@ -30,6 +32,15 @@ def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: st
         raise ValueError(f"--lion-feature-map {feature_map} gives scores of either sign, so the row "
                          "normaliser can divide by zero: add --no-lion-normalize (and usually "
                          "--lion-norm-after), or pick --lion-feature-map elu or silu_norm")
+    if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)) or not gate_temperature > 0:
+        raise ValueError(f"--lion-gate-temperature must be a number > 0; got {gate_temperature!r}")
+    if variant == "lit" and gate_temperature != 1:
+        raise ValueError("--lion-gate-temperature scales the decay gates; LION-LIT (--lion-variant lit) has none")
+    if isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 0 or short_conv == 1:
+        raise ValueError(f"--lion-short-conv must be 0 (off) or a kernel width >= 2; got {short_conv!r}")
+    if causal is False and short_conv and short_conv % 2 == 0:
+        raise ValueError(f"--lion-short-conv {short_conv}: a bidirectional model's convolution is centred on "
+                         "each token, so its width must be odd (e.g. 3 or 5)")
 
 
 @float32_math
@@ -51,10 +62,11 @@ class LionAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, variant: str = "s", *, form: str = "chunk",
                  chunk_size: int = 64, feature_map: Optional[str] = None, normalize: bool = True,
-                 norm_after: bool = False, causal: bool = False, bias: bool = True, eps: float = 1e-6):
+                 norm_after: bool = False, gate_temperature: float = 1.0, output_gate: bool = False,
+                 short_conv: int = 0, causal: bool = False, bias: bool = True, eps: float = 1e-6):
         super().__init__()
         feature_map = feature_map or DEFAULT_FEATURE_MAP.get(variant, "elu")
-        check_lion_options(variant, form, chunk_size, feature_map, normalize)
+        check_lion_options(variant, form, chunk_size, feature_map, normalize, gate_temperature, short_conv, causal)
         if embed_dim % num_heads:
             raise ValueError(f"embedding dim {embed_dim} must be divisible by the number of attention heads {num_heads}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
@@ -71,6 +83,14 @@ class LionAttention(nn.Module):
             self.gate_proj = nn.Linear(embed_dim, num_heads)
         # the released MLM recipe's LayerNorm over each head's output
         self.head_norm = nn.LayerNorm(self.head_dim) if norm_after else None
+        # GLA's logsigmoid(x) / tau: a temperature > 1 pulls every gate towards 1 (longer memories)
+        self.gate_temperature = float(gate_temperature)
+        # GLA / RetNet output gate: swish(W_g x) times the (normalised) head outputs
+        self.out_gate = nn.Linear(embed_dim, embed_dim, bias=bias) if output_gate else None
+        # depthwise convolution of width N over the projected q, k, v (causal: the token and the N-1
+        # before it; bidirectional: centred), one tap per channel and offset, no bias: (N, 3C)
+        self.short_conv = short_conv
+        self.conv_weight = nn.Parameter(torch.zeros(short_conv, 3 * embed_dim)) if short_conv else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -80,6 +100,14 @@ class LionAttention(nn.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
+        if self.conv_weight is not None:  # the identity: the convolution starts as the paper's model
+            with torch.no_grad():
+                self.conv_weight.zero_()
+                self.conv_weight[self._conv_centre()] = 1.0
+
+    def _conv_centre(self) -> int:
+        """The tap of the token itself: the last one (causal) or the middle one (bidirectional)."""
+        return self.short_conv - 1 if self.causal else (self.short_conv - 1) // 2
 
     def log_gates(self, x: Tensor) -> Optional[Tensor]:
         """``log lambda`` in float32: ``(B, H, T)`` for ``s``, ``(H, 1)`` for ``d``, None for ``lit``.
@@ -87,11 +115,11 @@ class LionAttention(nn.Module):
         if self.variant == "d":
             logits = self.gate_logit.float()
             self._check_finite(logits, "its learned gate logits (gate_logit parameter)")
-            return F.logsigmoid(logits)[:, None]
+            return F.logsigmoid(logits)[:, None] / self.gate_temperature
         if self.variant == "s":
             logits = float32_linear(self.gate_proj, x)
             self._check_finite(logits, "the gate logits gate_proj(x) (the hidden states x, or gate_proj's weights)")
-            return F.logsigmoid(logits).permute(1, 2, 0)
+            return (F.logsigmoid(logits) / self.gate_temperature).permute(1, 2, 0)
         return None
 
     def _check_finite(self, logits: Tensor, what: str) -> None:
@@ -109,8 +137,77 @@ class LionAttention(nn.Module):
                 "--lr / clip gradients (--clip-norm); in fp16 use loss scaling or train in bf16")
 
     def _keys_values(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Feature-mapped keys and values, ``(B, H, T, D)`` each, of ``x`` ``(T, B, C)``."""
+        """Feature-mapped keys and values, ``(B, H, T, D)`` each, of ``x`` ``(T, B, C)`` (without
+        ``--lion-short-conv``; with it, :meth:`_qkv`)."""
         return self.phi(self._heads(self.k_proj(x))), self._heads(self.v_proj(x))
+
+    def _qkv(self, x: Tensor, key_padding_mask: Optional[Tensor], incremental_state=None,
+             rows: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """Feature-mapped queries and keys and the values, ``(B, H, T', D)`` each, of ``x`` ``(T, B, C)``;
+        key_padding_mask ``(B, T)``.
+
+        With ``--lion-short-conv`` the projections are convolved first; padded positions count as zeros
+        (as the sequence's own ends do), so padding changes nothing for the real tokens.
+        ``rows=(a, b)`` (blockwise inference): ``x`` is a block with its neighbours on each side (or the
+        sequence's ends), keep rows a..b-1, ``T' = b - a``; otherwise ``T' = T``."""
+        if self.conv_weight is None:
+            q = self.phi(self._heads(self.q_proj(x)))
+            k, v = self._keys_values(x)
+            return q, k, v
+        u = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, B, 3C)
+        if key_padding_mask is not None:
+            u = u.masked_fill(key_padding_mask.t()[..., None], 0)
+        u = self._convolve(u, key_padding_mask, incremental_state, rows)
+        q, k, v = u.split(self.embed_dim, dim=-1)
+        return self.phi(self._heads(q)), self.phi(self._heads(k)), self._heads(v)
+
+    def _convolve(self, u: Tensor, key_padding_mask: Optional[Tensor], incremental_state,
+                  rows: Optional[Tuple[int, int]]) -> Tensor:
+        """The depthwise convolution of ``u`` ``(T, B, 3C)`` (padding already zero) along T."""
+        N, T = self.short_conv, u.shape[0]
+        w = self.conv_weight.to(u.dtype)
+        left = self._conv_centre()
+        if rows is not None:  # blockwise: the block's neighbours are in u; zeros past the sequence's ends
+            a, b = rows
+            pad_left, pad_right = max(left - a, 0), max(b + (N - 1 - left) - T, 0)
+            ext = F.pad(u, (0, 0, 0, 0, pad_left, pad_right))
+            start = a + pad_left - left
+            return sum(w[i] * ext[start + i:start + i + b - a] for i in range(N))
+        if not self.causal:
+            ext = F.pad(u, (0, 0, 0, 0, left, N - 1 - left))
+            return sum(w[i] * ext[i:i + T] for i in range(N))
+        saved = self.get_incremental_state(incremental_state, "lion_conv") if incremental_state is not None else None
+        if saved:  # decoding steps: the last N-1 inputs are cached; a padded token leaves them as they were
+            cache = saved["conv"].transpose(0, 1)  # (N-1, B, 3C)
+            out = []
+            for t in range(T):
+                ext = torch.cat([cache, u[t:t + 1]], dim=0)
+                out.append(sum(w[i] * ext[i] for i in range(N)))
+                new = ext[1:]
+                if key_padding_mask is not None:
+                    new = torch.where(key_padding_mask[:, t][None, :, None], cache, new)
+                cache = new
+            y = torch.stack(out, dim=0)
+        else:
+            ext = F.pad(u, (0, 0, 0, 0, N - 1, 0))
+            y = sum(w[i] * ext[i:i + T] for i in range(N))
+            if incremental_state is not None:  # prefill: cache each row's last N-1 real inputs
+                cache = self._last_real_rows(ext, key_padding_mask)
+        if incremental_state is not None:
+            self.set_incremental_state(incremental_state, "lion_conv", {"conv": cache.transpose(0, 1)})
+        return y
+
+    def _last_real_rows(self, ext: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """The last N-1 rows of ``ext`` ``(N-1+T, B, 3C)`` (N-1 zero rows, then the prompt) that are not
+        padding, per sentence: ``(N-1, B, 3C)``."""
+        n = self.short_conv - 1
+        if key_padding_mask is None:
+            return ext[-n:]
+        real = torch.cat([key_padding_mask.new_ones(n, key_padding_mask.shape[0]), ~key_padding_mask.t()], 0)
+        count = real.long().cumsum(0)  # (N-1+T, B): real rows up to here
+        total = count[-1]
+        idx = torch.stack([((count == total - n + 1 + j) & real).long().argmax(0) for j in range(n)])  # (N-1, B)
+        return ext.gather(0, idx[..., None].expand(-1, -1, ext.shape[-1]))
 
     def _heads(self, x: Tensor) -> Tensor:
         T, B, _ = x.shape
@@ -127,8 +224,7 @@ class LionAttention(nn.Module):
         T, B, C = x.shape
         if C != self.embed_dim:
             raise ValueError(f"input has {C} channels; this LionAttention was built for {self.embed_dim}")
-        q = self.phi(self._heads(self.q_proj(x)))
-        k, v = self._keys_values(x)
+        q, k, v = self._qkv(x, key_padding_mask, incremental_state)
         if not self.normalize and v.dtype == torch.float16:
             v = v.float()  # an unnormalised sum over T keys can pass fp16's 65504: the output stays float32
         log_lam = self.log_gates(x)
@@ -140,7 +236,7 @@ class LionAttention(nn.Module):
             fwd, bwd = self._directional_gates(log_lam)
             y = lion_attention(q, k, v, fwd, bwd, form=self.form, causal=self.causal, normalize=self.normalize,
                                key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, eps=self.eps)
-        return self._output(y)
+        return self._output(y, x)
 
     def _directional_gates(self, log_lam: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """Operator gates from per-position ``log lambda``: ``log_a_fwd[t] = log lambda_{t-1}`` and
@@ -149,13 +245,19 @@ class LionAttention(nn.Module):
             return log_lam, log_lam
         return F.pad(log_lam[..., :-1], (1, 0)), F.pad(log_lam[..., 1:], (0, 1))
 
-    def _output(self, y: Tensor) -> Tensor:
+    def _output(self, y: Tensor, x: Optional[Tensor] = None) -> Tensor:
+        """Head outputs ``y`` ``(B, H, T, D)`` of the input ``x`` ``(T, B, C)`` -> ``(T, B, C)`` (``x`` is
+        read by the output gate only)."""
         if self.head_norm is not None:  # in float32: y may be an unnormalised sum, float32 to keep its range
             norm = self.head_norm
             y = F.layer_norm(y.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
         B, H, T, D = y.shape
-        y = y.permute(2, 0, 1, 3).reshape(T, B, H * D)
-        return self.out_proj(y.to(self.out_proj.weight.dtype))
+        y = y.permute(2, 0, 1, 3).reshape(T, B, H * D).to(self.out_proj.weight.dtype)
+        if self.out_gate is not None:
+            if x is None:
+                raise ValueError("--lion-output-gate needs the attention's input x")
+            y = y * F.silu(self.out_gate(x)).to(y.dtype)
+        return self.out_proj(y)
 
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, log_lam: Optional[Tensor],
                 key_padding_mask: Optional[Tensor], incremental_state) -> Tensor:
@@ -199,10 +301,11 @@ class LionAttention(nn.Module):
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor) -> None:
         """Select beams: every saved tensor has the batch first."""
-        saved = self.get_incremental_state(incremental_state, "lion_state")
-        if saved:
-            saved = {key: t.index_select(0, new_order) for key, t in saved.items()}
-            self.set_incremental_state(incremental_state, "lion_state", saved)
+        for key in ("lion_state", "lion_conv"):
+            saved = self.get_incremental_state(incremental_state, key)
+            if saved:
+                saved = {name: t.index_select(0, new_order) for name, t in saved.items()}
+                self.set_incremental_state(incremental_state, key, saved)
 
     # whether ``blockwise`` computes this module's ``forward`` (a subclass that mixes differently says no)
     streams_blockwise = True
@@ -232,11 +335,28 @@ class LionAttention(nn.Module):
             return (F.pad(lam[..., max(s - 1, 0):e - 1], (int(s == 0), 0)),
                     F.pad(lam[..., s + 1:e + 1], (0, int(e == T))))
 
+        # --lion-short-conv: a block's projections also need its neighbours' inputs (overlapping blocks)
+        left_halo = self._conv_centre() if self.short_conv else 0
+        right_halo = self.short_conv - 1 - left_halo if self.short_conv else 0
+
+        def block_qkv(s: int, e: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            """The block's input ``(e - s, B, C)`` and its q, k, v ``(B, H, e - s, D)``."""
+            if not self.short_conv:
+                x = source(s, e)
+                return (x,) + self._qkv(x, mask(s, e))
+            a, b = max(s - left_halo, 0), min(e + right_halo, T)
+            x = source(a, b)
+            q, k, v = self._qkv(x, mask(a, b), rows=(s - a, e - a))
+            return (x[s - a:e - a], q, k, v)
+
         rights, right = [None] * n, None
         for i in reversed(range(n)):
             rights[i] = right
             s, e = edges[i], edges[i + 1]
-            x = source(s, e)
+            if self.short_conv and i > 0:
+                x, _, k, v = block_qkv(s, e)
+            else:
+                x = source(s, e)
             log_lam = self.log_gates(x)
             if self.variant == "s":
                 if lam is None:
@@ -245,17 +365,16 @@ class LionAttention(nn.Module):
             else:
                 head_gate = log_lam
             if i > 0:  # the first block's right state is read by no block
-                k, v = self._keys_values(x)
+                if not self.short_conv:
+                    k, v = self._keys_values(x)
                 right = state_before(right, k, v, gates(s, e)[1], mask(s, e))
         left = None
         for i in range(n):
             s, e = edges[i], edges[i + 1]
-            x = source(s, e)
-            q = self.phi(self._heads(self.q_proj(x)))
-            k, v = self._keys_values(x)
+            x, q, k, v = block_qkv(s, e)
             f, b = gates(s, e)
             y = block_attention(q, k, v, f, b, left, rights[i], form=self.form, normalize=self.normalize,
                                 key_padding_mask=mask(s, e), chunk_size=self.chunk_size, eps=self.eps)
             if i + 1 < n:
                 left = state_after(left, k, v, f, mask(s, e))
-            yield s, e, self._output(y)
+            yield s, e, self._output(y, x)

@@ -35,6 +35,9 @@ class LionTwoScanAttention(LionAttention):
     def __init__(self, embed_dim: int, num_heads: int, variant: str = "s", *, height: int, width: int, **kwargs):
         if kwargs.get("causal"):
             raise ValueError("two-scan attention is bidirectional; causal=True makes no sense here")
+        if kwargs.get("short_conv"):
+            raise ValueError("--lion-short-conv convolves along one token order; two-scan attention (the image "
+                             "tasks' row and column scans) has two: leave it off (0) for this model")
         super().__init__(embed_dim, num_heads, variant, **kwargs)
         self.height, self.width = height, width
         perms = torch.stack([ordering(s, height, width) for s in SCANS])
@@ -51,8 +54,8 @@ class LionTwoScanAttention(LionAttention):
         if scan == 0 or self.variant == "lit":
             return self.log_gates(x)
         if self.variant == "d":
-            return F.logsigmoid(self.col_gate_logit.float())[:, None]
-        return F.logsigmoid(float32_linear(self.col_gate_proj, x)).permute(1, 2, 0)
+            return F.logsigmoid(self.col_gate_logit.float())[:, None] / self.gate_temperature
+        return (F.logsigmoid(float32_linear(self.col_gate_proj, x)) / self.gate_temperature).permute(1, 2, 0)
 
     def forward(self, x: Tensor, key_padding_mask: Optional[Tensor] = None,
                 incremental_state: Optional[dict] = None) -> Tensor:
@@ -82,4 +85,4 @@ class LionTwoScanAttention(LionAttention):
             total = out if total is None else total + out
         total = total / len(SCANS)  # the average of the two masks
         y = total[..., :-1] / (total[..., -1:] + self.eps) if self.normalize else total
-        return self._output(y)
+        return self._output(y, x)
