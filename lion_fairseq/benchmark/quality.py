@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..demo.commands import console, python_module, run, shown
 from ..demo.corpus import write_pydoc_corpus
 from ..demo.train import json_record
+from ..user_dir import path as user_dir_path
 from .plotting import pyplot
 
 TOKENS = 128  # training length; eval-lm also runs at LONG = 4 x this
@@ -63,12 +64,6 @@ MODELS: Dict[str, List[Tuple[str, List[str]]]] = {
 # MQAR: KEYS keys and VALUES values, disjoint symbols; a line is `k v k v ... | k v k v ...`
 KEYS, VALUES = 64, 64
 VOCAB = 4000
-
-
-def user_dir() -> str:
-    from lion_fairseq.user_dir import path
-
-    return path()
 
 
 def prepare_text(root: Path) -> Path:
@@ -117,7 +112,7 @@ def prepare_recall(root: Path, pairs: int, train_lines: int = 4000, seed: int = 
 def train_command(what: str, data: Path, save: Path, flags: List[str], updates: int, seed: int,
                   tokens: int) -> List[str]:
     """``fairseq-train`` for one model of ``what``; only ``flags`` (the arch and its options) differ."""
-    argv = console("fairseq-train") + [str(data), "--user-dir", user_dir(), *flags]
+    argv = console("fairseq-train") + [str(data), "--user-dir", user_dir_path(), *flags]
     if what == "mlm":
         argv += ["--task", "masked_lm", "--criterion", "masked_lm", "--no-save"]
     else:
@@ -136,7 +131,7 @@ def train_command(what: str, data: Path, save: Path, flags: List[str], updates: 
 
 def eval_lm_command(data: Path, checkpoint: Path, tokens: int) -> List[str]:
     return console("fairseq-eval-lm") + [
-        str(data), "--user-dir", user_dir(), "--path", str(checkpoint), "--gen-subset", "test",
+        str(data), "--user-dir", user_dir_path(), "--path", str(checkpoint), "--gen-subset", "test",
         "--tokens-per-sample", str(tokens), "--batch-size", "4", "--required-batch-size-multiple", "1",
         "--num-workers", "0", "--cpu"]
 

@@ -158,27 +158,19 @@ class _Grid(NamedTuple):
         cb = self.bwd.cum[s].reshape(n * G, C) if self.bwd is not None else None
         return decay_matrix(cf, cb, self.bidirectional, n * G, C, dtype, device)
 
-    def states_(self, xs: List[Tensor]) -> None:
-        """The chunks' contributions ``(N, G, dirs*Dk, ...)`` -> the states entering each chunk, in place."""
-        if self.combined:
+    def states_(self, xs: List[Tensor], adjoint: bool = False) -> None:
+        """The chunks' contributions ``(N, G, dirs*Dk, ...)`` -> the states entering each chunk, in place;
+        ``adjoint``: gradients w.r.t. the entering states -> w.r.t. the contributions (each scan run the
+        other way round)."""
+        if self.combined:  # every chunk but the own one, total - own: its own adjoint
             for x in xs:
                 total = x.sum(0)
-                x.neg_().add_(total)  # every chunk but the own one: total - own
+                x.neg_().add_(total)
             return
         Dk = xs[0].shape[2] // self.dirs()
-        scan_([x[:, :, :Dk] for x in xs], self.fwd.whole if self.fwd is not None else None, reverse=False)
+        scan_([x[:, :, :Dk] for x in xs], self.fwd.whole if self.fwd is not None else None, reverse=adjoint)
         if self.dirs() == 2:
-            scan_([x[:, :, Dk:] for x in xs], self.bwd.whole if self.bwd is not None else None, reverse=True)
-
-    def state_grads_(self, xs: List[Tensor]) -> None:
-        """Gradients w.r.t. the entering states -> w.r.t. the contributions, in place (``states_``'s adjoint)."""
-        if self.combined:
-            self.states_(xs)  # total - own is its own adjoint
-            return
-        Dk = xs[0].shape[2] // self.dirs()
-        scan_([x[:, :, :Dk] for x in xs], self.fwd.whole if self.fwd is not None else None, reverse=True)
-        if self.dirs() == 2:
-            scan_([x[:, :, Dk:] for x in xs], self.bwd.whole if self.bwd is not None else None, reverse=False)
+            scan_([x[:, :, Dk:] for x in xs], self.bwd.whole if self.bwd is not None else None, reverse=not adjoint)
 
 
 def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], G: int, N: int, C: int, bidirectional: bool,
@@ -300,7 +292,7 @@ class _ChunkAttention(torch.autograd.Function):
                     dcum_f[s] += gain[..., 0]
                 if dcum_b is not None:
                     dcum_b[s] -= gain[..., 1]
-        grid.state_grads_([dE, dZ] if normalize else [dE])
+        grid.states_([dE, dZ] if normalize else [dE], adjoint=True)
         for n0, n1 in grid.blocks:
             s = slice(n0, n1)
             own = grid.stacked(k[s], "own", s)
