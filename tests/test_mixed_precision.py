@@ -82,6 +82,32 @@ def test_model_forward_and_backward_under_autocast(text_data_bin, task, arch, dt
         assert float((x16 - x32).norm() / x32.norm()) <= tol, name
 
 
+@pytest.mark.parametrize("how", ["cast", "autocast"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_bfloat16_inference_of_a_padded_batch_stays_near_float32(text_data_bin, how, form):
+    """An encoder in eval mode cast to bfloat16 (what fairseq's bf16 does to a model) or under autocast,
+    as the long-document benchmark runs it: the real tokens' features of a right-padded batch stay near
+    the float32 model's (the recurrent form runs block by block)."""
+    L = 1024
+    torch.manual_seed(0)
+    _, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny", "--tokens-per-sample", str(L),
+                           "--lion-chunk-size", "64", "--lion-form", form)
+    model.eval()
+    pad = model.encoder.sentence_encoder.padding_idx
+    tokens = torch.randint(4, 100, (2, L), generator=torch.Generator().manual_seed(1))
+    tokens[1, -100:] = pad
+    with torch.no_grad():
+        full = model(tokens, features_only=True)[0]
+        if how == "cast":
+            low = model.to(torch.bfloat16)(tokens, features_only=True)[0]
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                low = model(tokens, features_only=True)[0]
+    real = tokens.ne(pad)
+    assert torch.isfinite(low).all()
+    assert float((low.float() - full)[real].norm() / full[real].norm()) <= TOLERANCE["bf16"]
+
+
 # ---- training makes no host sync, and lets fairseq handle what is not finite -----------------------------
 
 SYNCS = ("item", "__bool__", "__float__", "__int__", "tolist")

@@ -155,6 +155,47 @@ def test_bfloat16_chunk_form(causal):
     assert rms(y.double() - ref) / rms(ref) < 1e-2
 
 
+@pytest.mark.parametrize("L", [1, 3 * C + 5])
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("causal,normalize", list(itertools.product([False, True], [True, False])))
+def test_bfloat16_matmuls_stay_near_the_reference(L, gates, causal, normalize):
+    """matmul_dtype=bfloat16 (inference): bfloat16 products, float32 sums, states and normalisers."""
+    inputs = make_inputs(L, gates, seed=L)
+    ref = reference_attention(*[x.double() if x is not None else None for x in inputs], causal=causal,
+                              normalize=normalize)
+    with torch.no_grad():
+        y = lion_attention(*inputs, form="chunk", causal=causal, normalize=normalize, chunk_size=C,
+                           matmul_dtype=torch.bfloat16)
+        full = lion_attention(*inputs, form="chunk", causal=causal, normalize=normalize, chunk_size=C)
+    assert y.dtype == torch.float32 and y.shape == (B, H, L, DV)
+    rms = lambda x: x.double().pow(2).mean().sqrt()  # noqa: E731
+    assert rms(y.double() - ref) / rms(ref) < 1e-2
+    assert rel_err(y, ref) < 3e-2
+    assert rel_err(full, ref) < 1e-5 < rel_err(y, ref)  # the products were bfloat16, the default's are not
+
+
+def test_bfloat16_matmuls_only_where_nothing_is_trained():
+    """With inputs that need gradients (or the parallel form) matmul_dtype=bfloat16 computes in float32,
+    exactly as the default; long strong-decay sequences stay finite in bfloat16 and agree with float32."""
+    q, k, v, f, b = make_inputs(3 * C + 5, "token")
+    q.requires_grad_()
+    y = lion_attention(q, k, v, f, b, form="chunk", chunk_size=C, matmul_dtype=torch.bfloat16)
+    assert torch.equal(y, lion_attention(q, k, v, f, b, form="chunk", chunk_size=C))
+    with torch.no_grad():
+        par = lion_attention(q, k, v, f, b, form="parallel", matmul_dtype=torch.bfloat16)
+        assert torch.equal(par, lion_attention(q, k, v, f, b, form="parallel"))
+    L = 8192
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.rand(1, 2, L, 8, generator=g), torch.rand(1, 2, L, 8, generator=g), torch.randn(1, 2, L, 8, generator=g)
+    gate = torch.full((1, 2, L), -5.0)
+    with torch.no_grad():
+        low = lion_attention(q, k, v, gate, gate, form="chunk", matmul_dtype=torch.bfloat16)
+        full = lion_attention(q, k, v, gate, gate, form="chunk")
+    assert torch.isfinite(low).all() and rel_err(low, full) < 3e-2
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        lion_attention(q, k, v, form="chunk", matmul_dtype=torch.float16)
+
+
 @pytest.mark.parametrize("gates", ["none", "head", "token"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_token_by_token_step_equals_causal_form(gates, normalize):

@@ -8,6 +8,15 @@ benchmark's ``softmax_ad`` column measures that cost), so like is compared with 
 
     python -m lion_fairseq.benchmark.encoder              # train at L=128/512/2048, inference at 4096/16384
     python -m lion_fairseq.benchmark.encoder --small      # tiny models, short lengths: a one-minute check
+    python -m lion_fairseq.benchmark.encoder --long       # long-document encoding, L = 4K-64K, fp32 and bf16
+
+``--long`` measures what long-document encoding costs: tokens/s and peak memory of one forward pass (one
+sequence, features only) of ``lion_s`` in the chunk form and in the recurrent form (which runs each layer
+block by block, so its memory does not grow with L), in float32 and cast to bfloat16 (``model.to(
+torch.bfloat16)``, what fairseq's ``--bf16`` does to a model: every projection and the FFN run in
+bfloat16; the LION operator computes in float32), against
+``roberta_base`` (fused softmax attention) up to ``--softmax-max``. Writes ``long.md``, ``long.json`` and
+``long.png``.
 
 Every (model, measurement, L) runs in a fresh process, so that the peak resident memory it reports (the
 rise of ``ru_maxrss`` over the built model and its inputs) is its own. Besides wall-clock tokens/s it
@@ -15,6 +24,7 @@ reports tokens per CPU-second of the process, which other jobs on a shared machi
 (with ``--threads 1`` no thread spins while waiting, so CPU time is the work done). Writes a Markdown
 table and a JSON file into ``--out``."""
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -24,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .rss import maxrss_mib
+from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
 # the paper's MLM (Large) training time relative to BERT; LION-D is LION-RETNET
@@ -55,9 +65,10 @@ def build(arch: str, L: int, vocab: int, form: str, chunk_size: int):
 
 
 def measure(arch: str, mode: str, L: int, batch: int, vocab: int, threads: int, form: str, chunk_size: int,
-            steps: int, device: str) -> Dict[str, Optional[float]]:
+            steps: int, device: str, dtype: str = "fp32") -> Dict[str, Optional[float]]:
     """Run in the child process. ``train``: best seconds of one step and tokens/s; ``infer``: seconds
-    and peak MiB of one forward pass (features only, batch 1) above the model's own memory."""
+    (best and worst of ``steps`` passes) and peak MiB of a forward pass (features only, batch 1) above
+    the model's own memory, the model in ``dtype`` (``fp32`` or ``bf16``)."""
     import torch
     import torch.nn.functional as F
 
@@ -65,6 +76,10 @@ def measure(arch: str, mode: str, L: int, batch: int, vocab: int, threads: int, 
     torch.manual_seed(0)
     model, task = build(arch, L, vocab, form, chunk_size)
     model.to(device)
+    if dtype == "bf16":
+        if mode == "train":
+            raise ValueError("--dtype bf16 is for inference (mode infer)")
+        model.to(torch.bfloat16)
     d = task.source_dictionary
     tokens = torch.randint(d.nspecial + 1, len(d), (batch, L), device=device)
     tokens[:, 0] = d.bos()
@@ -108,21 +123,30 @@ def measure(arch: str, mode: str, L: int, batch: int, vocab: int, threads: int, 
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() / 2 ** 20
         else:
+            gc.collect()
+            reset_peak()
             base = maxrss_mib()
-        t, c = time.perf_counter(), time.process_time()
-        with torch.no_grad():
-            model(tokens, features_only=True)
-        sync()
-        out["infer_s"], out["infer_cpu_s"] = time.perf_counter() - t, time.process_time() - c
+        times, cpu = [], []
+        for _ in range(steps):
+            t, c = time.perf_counter(), time.process_time()
+            with torch.no_grad():
+                model(tokens, features_only=True)
+            sync()
+            times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+        out["infer_s"], out["infer_worst_s"], out["infer_cpu_s"] = min(times), max(times), min(cpu)
+        out["tokens_per_s"] = L / min(times)
         peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else maxrss_mib()
         out["peak_mib"] = peak - base
     return out
 
 
-def run_child(args: argparse.Namespace, arch: str, mode: str, L: int, batch: int) -> Dict:
+def run_child(args: argparse.Namespace, arch: str, mode: str, L: int, batch: int, form: Optional[str] = None,
+              dtype: str = "fp32") -> Dict:
     cmd = [sys.executable, "-m", "lion_fairseq.benchmark.encoder", "--child", arch, mode, str(L), str(batch),
-           "--vocab", str(args.vocab), "--threads", str(args.threads), "--lion-form", args.lion_form,
-           "--chunk-size", str(args.chunk_size), "--steps", str(args.steps), "--device", args.device]
+           "--vocab", str(args.vocab), "--threads", str(args.threads), "--lion-form", form or args.lion_form,
+           "--chunk-size", str(args.chunk_size), "--steps", str(args.steps), "--device", args.device,
+           "--dtype", dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -186,14 +210,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the CUDA allocator's)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement before it is given up")
     p.add_argument("--small", action="store_true", help="the _tiny archs, L 128/512 and 1024: about a minute")
+    p.add_argument("--long", action="store_true", help="long-document encoding (see above) instead")
+    p.add_argument("--long-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--softmax-max", type=int, default=16384, help="--long: the longest L roberta_base runs at")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/encoder"))
     p.add_argument("--child", nargs=4, metavar=("ARCH", "MODE", "L", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         arch, mode, L, batch = args.child
         r = measure(arch, mode, int(L), int(batch), args.vocab, args.threads, args.lion_form, args.chunk_size,
-                    args.steps, args.device)
+                    args.steps, args.device, args.dtype)
         print(json.dumps(r))
+        return
+    if args.long:
+        long_document(args)
         return
     if args.small:
         args.models = ["roberta_base" if m == "roberta_base" else m + "_tiny" for m in args.models]
@@ -221,6 +252,72 @@ def main(argv: Optional[List[str]] = None) -> None:
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "train": train, "infer": infer}, indent=1))
     print("\n" + md + f"\n\ntable: {args.out / 'table.md'}")
+
+
+# (name, arch, form) of the long-document comparison; each runs in fp32 and bf16
+LONG_SERIES = (("lion_s chunk", "lion_s", "chunk"), ("lion_s recurrent", "lion_s", "recurrent"),
+               ("roberta_base", "roberta_base", None))
+
+
+def long_document(args: argparse.Namespace) -> None:
+    """``--long``: one forward pass per (series, dtype, L), each in a fresh process."""
+    import torch
+
+    from .operator import matmul_gflops
+    from .plotting import against_length, pyplot
+
+    rates = {d: matmul_gflops(args.threads, dtype=t) for d, t in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    head = (f"Long-document encoding: one sequence, features of a forward pass, best (worst) of {args.steps}; "
+            f"{args.threads} threads on {args.device}; 2048^3 matmul {rates['fp32']:.0f} GFLOP/s fp32, "
+            f"{rates['bf16']:.0f} bf16; vocab {args.vocab}, LION chunk {args.chunk_size}")
+    print(head, flush=True)
+    rows: Dict[str, Dict[int, Dict]] = {}
+    for name, arch, form in LONG_SERIES:
+        for dtype in ("fp32", "bf16"):
+            key = f"{name} {dtype}"
+            rows[key] = {}
+            for L in args.long_lengths:
+                if arch == "roberta_base" and L > args.softmax_max:
+                    continue
+                rows[key][L] = r = run_child(args, arch, "infer", L, 1, form=form, dtype=dtype)
+                print(f"  L={L:6d} {key:24s} " + (f"error: {r['error']}" if "error" in r else
+                      f"{fmt(r['tokens_per_s'])} tokens/s ({fmt(r['infer_s'])}-{fmt(r['infer_worst_s'])} s), "
+                      f"peak {fmt(r['peak_mib'])} MiB"), flush=True)
+    md = [head + ":", "", "| L | model | dtype | tokens/s | seconds (best-worst) | peak MiB | bf16 speed-up | vs roberta_base |",
+          "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for L in args.long_lengths:
+        for name, _, _ in LONG_SERIES:
+            for dtype in ("fp32", "bf16"):
+                r = rows[f"{name} {dtype}"].get(L)
+                if r is None:
+                    continue
+                if "error" in r:
+                    md.append(f"| {L} | {name} | {dtype} | error: {r['error']} | | | | |")
+                    continue
+                fp32 = rows[f"{name} fp32"].get(L, {})
+                soft = rows[f"roberta_base {dtype}"].get(L, {})
+                up = f"{fp32['infer_s'] / r['infer_s']:.2f}x" if dtype == "bf16" and fp32.get("infer_s") else "-"
+                vs = f"{soft['infer_s'] / r['infer_s']:.2f}x" if soft.get("infer_s") else "-"
+                md.append(f"| {L} | {name} | {dtype} | {fmt(r['tokens_per_s'])} | {fmt(r['infer_s'])}-"
+                          f"{fmt(r['infer_worst_s'])} | {fmt(r['peak_mib'])} | {up} | {vs} |")
+    text = "\n".join(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "long.md").write_text(text + "\n")
+    (args.out / "long.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                    "matmul_gflops": rates, "rows": rows}, indent=1))
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        against_length(axes[0], rows, "tokens_per_s", "tokens/s, one sequence (higher is better)", dashed=None)
+        against_length(axes[1], rows, "peak_mib", "peak MiB above the weights", dashed=None)
+        for ax in axes:
+            for line in ax.get_lines():
+                if line.get_label().endswith("bf16"):
+                    line.set_linestyle("--")
+        fig.tight_layout()
+        fig.savefig(args.out / "long.png", dpi=110)
+        plt.close(fig)
+    print("\n" + text + f"\n\ntable: {args.out / 'long.md'}")
 
 
 if __name__ == "__main__":

@@ -20,15 +20,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .plotting import against_length, pyplot
 from .rss import maxrss_mib
 
-IMPLS = ("sdpa", "parallel", "chunk", "recurrent")
+# ``*_bf16``: inference (forward only) with bfloat16 inputs, the chunk form with matmul_dtype=bfloat16
+IMPLS = ("sdpa", "parallel", "chunk", "recurrent", "sdpa_bf16", "chunk_bf16")
 # beyond these lengths a run would not fit this machine's memory (the L x L forms) or take minutes
 # (autograd through the recurrent form's token loop stores a D x D state per token)
-LIMITS = {("parallel", "fwd"): 8192, ("parallel", "fwdbwd"): 4096, ("recurrent", "fwdbwd"): 2048}
+LIMITS = {("parallel", "fwd"): 8192, ("parallel", "fwdbwd"): 4096, ("recurrent", "fwdbwd"): 2048,
+          ("sdpa_bf16", "fwdbwd"): 0, ("chunk_bf16", "fwdbwd"): 0}
 
 
 def chunk_flops(batch: int, heads: int, L: int, dk: int, dv: int, C: int) -> Dict[str, float]:
@@ -40,12 +42,13 @@ def chunk_flops(batch: int, heads: int, L: int, dk: int, dv: int, C: int) -> Dic
     return {"fwd": batch * heads * fwd, "fwdbwd": batch * heads * (fwd + bwd)}
 
 
-def matmul_gflops(threads: int, n: int = 2048, repeats: int = 3) -> float:
-    """This machine's float32 matmul rate with ``threads`` threads: the ceiling for the chunk form."""
+def matmul_gflops(threads: int, n: int = 2048, repeats: int = 3, dtype: Optional[Any] = None) -> float:
+    """This machine's matmul rate with ``threads`` threads, float32 unless ``dtype`` (a torch dtype)
+    says otherwise: the ceiling for the chunk form."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -113,16 +116,22 @@ def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, c
     v = torch.randn(batch, heads, L, dim)
     log_f = F.logsigmoid(torch.randn(batch, heads, L) + 3)
     log_b = F.logsigmoid(torch.randn(batch, heads, L) + 3)
+    low = impl.endswith("_bf16")
+    if low:
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     inputs = [q, k, v, log_f, log_b]
 
-    if impl == "sdpa":
+    if impl.startswith("sdpa"):
         def run(x):
             return F.scaled_dot_product_attention(x[0], x[1], x[2])
     else:
         from lion_fairseq.ops import lion_attention
 
+        form = impl.replace("_bf16", "")
+        mm = torch.bfloat16 if low else None
+
         def run(x):
-            return lion_attention(*x, form=impl, chunk_size=chunk_size)
+            return lion_attention(*x, form=form, chunk_size=chunk_size, matmul_dtype=mm)
 
     out: Dict[str, Optional[float]] = {}
     with torch.no_grad():  # one-time set-up of the libraries (thread pools, kernels) is not the form's memory
@@ -148,11 +157,12 @@ def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, c
                 run(leaves).sum().backward()
                 times.append(time.perf_counter() - t)
         out[mode], out[f"{mode}_worst"] = min(times), max(times)
-    if impl == "chunk":
+    if impl.startswith("chunk"):
         flops = chunk_flops(batch, heads, L, dim, dim, min(chunk_size, L))
         for mode in modes:
-            out[f"gflops_{mode}"] = flops[mode] / out[mode] / 1e9
-        if "fwdbwd" in modes:
+            if out[mode]:
+                out[f"gflops_{mode}"] = flops[mode] / out[mode] / 1e9
+        if "fwdbwd" in modes and not low:
             leaves = [x.clone().requires_grad_() for x in inputs]
             gemm = replay_gemms(record_gemms(lambda: run(leaves).sum().backward()), repeats)
             out["gemm_fwdbwd"] = gemm["best"]
@@ -225,6 +235,22 @@ def ceiling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[
     return "\n".join(lines)
 
 
+def bf16_table(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str:
+    """Inference (forward) in bfloat16 against float32, the chunk form against softmax."""
+    lines = ["| L | chunk fp32 s | chunk bf16 s (best-worst) | bf16 speed-up | softmax fp32 s | softmax bf16 s | "
+             "chunk bf16 vs softmax bf16 |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for L in lengths:
+        c32, c16 = results["chunk"].get(L, {}).get("fwd"), results["chunk_bf16"].get(L, {})
+        s32, s16 = results["sdpa"].get(L, {}).get("fwd"), results["sdpa_bf16"].get(L, {}).get("fwd")
+        if not c16.get("fwd"):
+            continue
+        up = f"{c32 / c16['fwd']:.2f}x" if c32 else "-"
+        vs = f"{s16 / c16['fwd']:.1f}x" if s16 else "-"
+        lines.append(f"| {L} | {fmt(c32)} | {fmt(c16['fwd'])}-{fmt(c16['fwd_worst'])} | {up} | {fmt(s32)} | "
+                     f"{fmt(s16)} | {vs} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 16384])
@@ -274,6 +300,9 @@ def main(argv: Optional[List[str]] = None) -> None:
           + f"; best of {args.repeats}\n\n" + table(results, args.lengths))
     if "chunk" in results and "sdpa" in results:
         md += "\n\nchunk form against softmax and against its own matmuls alone:\n\n" + ceiling_table(scaling, args.lengths)
+    if all(i in results for i in ("chunk", "chunk_bf16", "sdpa", "sdpa_bf16")):
+        md += ("\n\ninference in bfloat16 (inputs bf16; the chunk form's matmuls bf16, its states and normalisers "
+               "float32):\n\n" + bf16_table(results, args.lengths))
     (args.out / "table.md").write_text(md + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "matmul_gflops": peaks, "results": results,

@@ -1,25 +1,28 @@
 """Language-model quality, LION against softmax attention at equal size, budget and optimiser:
 
     python -m lion_fairseq.benchmark.quality            # causal LM (lm), 3 seeds: about 22 min on 2 cores
-    python -m lion_fairseq.benchmark.quality mlm        # masked LM
-    python -m lion_fairseq.benchmark.quality recall     # multi-query associative recall, a known answer
+    python -m lion_fairseq.benchmark.quality mlm        # masked LM: about 15 min
+    python -m lion_fairseq.benchmark.quality recall     # multi-query associative recall, a known answer: about 20 min
 
 ``lm``: ``transformer_lm`` against ``lion_s_lm_tiny`` (the paper's LION-S) and ``lion_s_lm_plus_tiny``
-(LION-S with the levers of issue 14), all 2 layers x 128, 2 heads, FFN 512, on the demo's corpus (Python's
-own help topics, ``lion_fairseq.demo.corpus``, sentencepiece vocabulary of 4000, ``python -m
-preprocess.text``): ``--updates`` updates of 16 x 128 tokens, Adam at lr 1e-3, inverse_sqrt with 60
-warm-up updates, dropout 0.1, through ``fairseq-train``; the best checkpoint's test loss (bits per token)
-through ``fairseq-eval-lm`` at ``--tokens-per-sample`` 128 (the training length) and 512 (4x).
+(LION-S with the levers of issue 14), all 2 layers x 128, 2 heads, FFN 512, embeddings 128 wide, on the
+demo's corpus (Python's own help topics, ``lion_fairseq.demo.corpus``, sentencepiece vocabulary of 4000,
+``python -m preprocess.text``): ``--updates`` updates of 16 x 128 tokens, Adam at lr 1e-3, inverse_sqrt
+with 60 warm-up updates, dropout 0.1, through ``fairseq-train``; the best checkpoint's test loss (bits per
+token) through ``fairseq-eval-lm`` at ``--tokens-per-sample`` 128 (the training length) and 512 (4x).
 
 ``mlm``: ``roberta`` at the same tiny size against ``lion_s_tiny`` (and it with the encoder's levers:
 a centred convolution of 3 and the output gate), the best validation loss of ``fairseq-train --task
 masked_lm``.
 
-``recall``: multi-query associative recall (Zoology's MQAR), data written here: each line holds
-``--pairs`` key-value pairs then every key again in a shuffled order, each followed by its value; the
-model must recall the values. Scored as the accuracy of the values after the queries (the known answer;
-chance is ``1 / VALUES``) on a held-out split, through the trained checkpoint. Learning curves: the
-validation loss per epoch.
+``recall``: multi-query associative recall (Zoology's MQAR), data written here (``--lines`` training
+lines): each line holds ``--pairs`` key-value pairs (64 keys, 64 values), then every key again in a
+shuffled order, each followed by its value; the model must recall the values. The same models as ``lm``,
+dropout 0, 3000 updates at lr 3e-3 (200 warm-up). Scored as the accuracy of the values after the queries
+(the known answer; chance is ``1 / VALUES``) on a held-out split, through the trained checkpoint.
+Learning curves: the validation loss per epoch.
+
+Each table gives the parameter count fairseq reports for each model.
 
 ``--add NAME "FLAGS"`` adds a model to the chosen comparison (e.g. one lever at a time: ``--add conv
 "--arch lion_s_lm_tiny --lion-short-conv 4"``). Each (model, seed) is a ``fairseq-train`` run on one
@@ -44,8 +47,10 @@ from .plotting import pyplot
 
 TOKENS = 128  # training length; eval-lm also runs at LONG = 4 x this
 LONG = 4 * TOKENS
+# transformer_lm's --decoder-input-dim and --decoder-output-dim default to 512 whatever the width: its
+# embeddings would be 4x LION's (2.6M parameters against 0.9M at vocabulary 4000), so they are set too
 TINY_LM = ["--decoder-layers", "2", "--decoder-embed-dim", "128", "--decoder-attention-heads", "2",
-           "--decoder-ffn-embed-dim", "512"]
+           "--decoder-ffn-embed-dim", "512", "--decoder-input-dim", "128", "--decoder-output-dim", "128"]
 TINY_ENC = ["--encoder-layers", "2", "--encoder-embed-dim", "128", "--encoder-attention-heads", "2",
             "--encoder-ffn-embed-dim", "512"]
 # (name, fairseq-train options that differ); everything else is common to the comparison
@@ -61,6 +66,9 @@ MODELS: Dict[str, List[Tuple[str, List[str]]]] = {
                ("lion_s_lm_tiny", ["--arch", "lion_s_lm_tiny"]),
                ("lion_s_lm_plus_tiny", ["--arch", "lion_s_lm_plus_tiny"])],
 }
+# (updates, peak lr, warm-up updates) per comparison. Recall is learnt after a plateau: at lr 1e-3 and 600
+# updates no model left chance (16 or 8 pairs a line); 4 pairs, 20000 lines, 3000 updates at 3e-3 separate them
+SCHEDULE = {"lm": (600, 1e-3, 60), "mlm": (600, 1e-3, 60), "recall": (3000, 3e-3, 200)}
 # MQAR: KEYS keys and VALUES values, disjoint symbols; a line is `k v k v ... | k v k v ...`
 KEYS, VALUES = 64, 64
 VOCAB = 4000
@@ -93,24 +101,24 @@ def mqar_lines(n: int, pairs: int, rng: random.Random) -> List[str]:
     return lines
 
 
-def prepare_recall(root: Path, pairs: int, train_lines: int = 4000, seed: int = 0) -> Path:
+def prepare_recall(root: Path, pairs: int, train_lines: int = 20000, seed: int = 0) -> Path:
     """MQAR text (train, valid, test) binarised with ``fairseq-preprocess --only-source`` (made once)."""
-    data = root / f"data_{pairs}"
+    data = root / f"data_{pairs}_{train_lines}"
     if not (data / "test.bin").exists():
         rng = random.Random(seed)
-        text = root / f"text_{pairs}"
+        text = root / f"text_{pairs}_{train_lines}"
         text.mkdir(parents=True, exist_ok=True)
         for split, n in (("train", train_lines), ("valid", 200), ("test", 200)):
             (text / f"{split}.txt").write_text("\n".join(mqar_lines(n, pairs, rng)) + "\n")
         run(console("fairseq-preprocess") + [
             "--only-source", "--trainpref", str(text / "train.txt"), "--validpref", str(text / "valid.txt"),
             "--testpref", str(text / "test.txt"), "--destdir", str(data), "--workers", "1"],
-            root / "logs" / f"preprocess_{pairs}.log", what="preprocessing")
+            root / "logs" / f"preprocess_{pairs}_{train_lines}.log", what="preprocessing")
     return data
 
 
 def train_command(what: str, data: Path, save: Path, flags: List[str], updates: int, seed: int,
-                  tokens: int) -> List[str]:
+                  tokens: int, lr: float = 1e-3, warmup: int = 60) -> List[str]:
     """``fairseq-train`` for one model of ``what``; only ``flags`` (the arch and its options) differ."""
     argv = console("fairseq-train") + [str(data), "--user-dir", user_dir_path(), *flags]
     if what == "mlm":
@@ -121,8 +129,8 @@ def train_command(what: str, data: Path, save: Path, flags: List[str], updates: 
                  "--share-decoder-input-output-embed", "--save-dir", str(save), "--no-epoch-checkpoints",
                  "--no-last-checkpoints"]
     argv += ["--tokens-per-sample", str(tokens), "--sample-break-mode", "eos" if what == "recall" else "none",
-             "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
-             "--warmup-updates", "60", "--dropout", "0.1" if what != "recall" else "0.0", "--batch-size", "16",
+             "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", str(lr), "--lr-scheduler", "inverse_sqrt",
+             "--warmup-updates", str(warmup), "--dropout", "0.1" if what != "recall" else "0.0", "--batch-size", "16",
              # fairseq drops a last batch that is not a multiple of 8 (issue #5036), even in valid and test
              "--required-batch-size-multiple", "1", "--max-update", str(updates), "--seed", str(seed),
              "--num-workers", "0", "--cpu", "--log-format", "json", "--log-interval", "20"]
@@ -184,12 +192,14 @@ def recall_accuracy(data: Path, checkpoint: Path) -> float:
 
 
 def one_run(what: str, root: Path, data: Path, name: str, flags: List[str], updates: int, seed: int,
-            tokens: int) -> Dict:
+            tokens: int, lr: float = 1e-3, warmup: int = 60) -> Dict:
     tag = f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}_{seed}"
     save = root / "checkpoints" / tag
-    argv = train_command(what, data, save, flags, updates, seed, tokens)
+    argv = train_command(what, data, save, flags, updates, seed, tokens, lr, warmup)
     log, seconds = run(argv, root / "logs" / f"{tag}.log", what=f"training {name}")
+    count = re.search(r"num\. shared model params: ([0-9,]+)", log)
     row = {"model": name, "flags": flags, "seed": seed, "updates": updates, "train_s": round(seconds, 1),
+           "params": int(count.group(1).replace(",", "")) if count else None,
            "curves": curves(log), "commands": [shown(argv)]}
     if what == "mlm":
         row["valid_loss"] = min(v for _, v in row["curves"]["valid"])
@@ -223,11 +233,12 @@ def table(what: str, rows: List[Dict]) -> str:
     first = next(iter(by))
     base = statistics.mean(r[keys[0][0]] for r in by[first])
     lines = ["| model | " + " | ".join(t + " (mean ± sd (min-max))" for _, t in keys)
-             + f" | vs {first} | seeds | train s |", "|---|" + "---:|" * (len(keys) + 3)]
+             + f" | vs {first} | params | seeds | train s |", "|---|" + "---:|" * (len(keys) + 4)]
     for name, rs in by.items():
         main = statistics.mean(r[keys[0][0]] for r in rs)
         lines.append(f"| {name} | " + " | ".join(spread([r[k] for r in rs]) for k, _ in keys)
-                     + f" | {(100 * (main / base - 1)) if base else float('nan'):+.1f}% | {len(rs)} | {statistics.mean(r['train_s'] for r in rs):.0f} |")
+                     + f" | {(100 * (main / base - 1)) if base else float('nan'):+.1f}% | {rs[0].get('params') or '-'} | "
+                     f"{len(rs)} | {statistics.mean(r['train_s'] for r in rs):.0f} |")
     return "\n".join(lines)
 
 
@@ -259,21 +270,24 @@ def plot(what: str, rows: List[Dict], path: Path) -> bool:
 
 
 def compare(what: str, out: Path, models: List[Tuple[str, List[str]]], seeds: List[int], updates: int,
-            pairs: int) -> str:
+            lr: float, warmup: int, pairs: int = 4, lines: int = 20000) -> str:
     root = out / what
     root.mkdir(parents=True, exist_ok=True)
     if what == "recall":
-        data, tokens = prepare_recall(out / "recall", pairs), 4 * pairs + 1
+        data, tokens = prepare_recall(out / "recall", pairs, lines), 4 * pairs + 1
     else:
         data, tokens = prepare_text(out), TOKENS
     jobs = [(name, flags, seed) for seed in seeds for name, flags in models]
     with ThreadPoolExecutor(2) as pool:  # two fairseq-train processes side by side, one thread each
-        rows = list(pool.map(lambda j: one_run(what, root, data, j[0], j[1], updates, j[2], tokens), jobs))
+        rows = list(pool.map(lambda j: one_run(what, root, data, j[0], j[1], updates, j[2], tokens, lr, warmup),
+                             jobs))
     (root / "quality.json").write_text(json.dumps(rows, indent=1))
     setup = {"lm": f"causal LM, test loss in bits through fairseq-eval-lm at {TOKENS} and {LONG} tokens",
              "mlm": "masked LM, best validation loss in bits",
-             "recall": f"MQAR, {pairs} pairs a line, accuracy of the recalled values on the test split"}[what]
-    text = [f"### {what}: {setup}; {updates} updates of 16 sequences, seeds {seeds}", "", table(what, rows)]
+             "recall": f"MQAR, {pairs} pairs a line, {lines} training lines, accuracy of the recalled values "
+                       "on the test split"}[what]
+    text = [f"### {what}: {setup}; {updates} updates of 16 sequences, Adam at lr {lr:g} (inverse_sqrt, "
+            f"{warmup} warm-up updates), seeds {seeds}", "", table(what, rows)]
     if plot(what, rows, root / "quality.png"):
         text += ["", f"Learning curves: {root / 'quality.png'}"]
     text += ["", "Commands (seed " + str(seeds[0]) + "):", "", "```"]
@@ -289,8 +303,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="comparisons to run: lm, mlm, recall (default: lm)")
     parser.add_argument("--out", default="outputs/benchmark/quality")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--updates", type=int, default=600, help="updates per model")
-    parser.add_argument("--pairs", type=int, default=16, help="recall: key-value pairs a line")
+    parser.add_argument("--updates", type=int, default=None, help="updates per model (default: lm and mlm "
+                        f"{SCHEDULE['lm'][0]}, recall {SCHEDULE['recall'][0]})")
+    parser.add_argument("--lr", type=float, default=None, help="Adam's peak learning rate (default: per comparison)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: per comparison)")
+    parser.add_argument("--pairs", type=int, default=4, help="recall: key-value pairs a line")
+    parser.add_argument("--lines", type=int, default=20000, help="recall: training lines")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these of the standard models")
     parser.add_argument("--add", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
                         help='one more model: a name and its fairseq-train options, e.g. conv "--arch '
@@ -300,7 +318,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     for what in whats:
         if what not in MODELS:
             raise ValueError(f"unknown comparison {what!r}: choose from {list(MODELS)}")
-    if len(args.seeds) < 1 or args.updates < 1:
+    if len(args.seeds) < 1 or (args.updates is not None and args.updates < 1):
         raise ValueError("--seeds needs at least one seed and --updates must be >= 1")
     os.environ["OMP_NUM_THREADS"] = "1"  # each fairseq-train on one thread, two at a time
     out = Path(args.out)
@@ -310,7 +328,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         models += [(name, shlex.split(flags)) for name, flags in args.add]
         if not models:
             raise ValueError(f"--only {args.only}: none of {[m[0] for m in MODELS[what]]}, and no --add")
-        texts.append(compare(what, out, models, args.seeds, args.updates, args.pairs))
+        updates, lr, warmup = SCHEDULE[what]
+        texts.append(compare(what, out, models, args.seeds, args.updates or updates, args.lr or lr,
+                             args.warmup if args.warmup is not None else warmup, args.pairs, args.lines))
         print("\n" + texts[-1], flush=True)
 
 

@@ -43,7 +43,7 @@ def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
                    log_a_bwd: Optional[Tensor] = None, *, form: str = "parallel", causal: bool = False,
                    normalize: bool = True, key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64,
-                   eps: float = 1e-6) -> Tensor:
+                   eps: float = 1e-6, matmul_dtype: Optional[torch.dtype] = None) -> Tensor:
     """LION attention ``y = norm((q k^T) * M) v`` with the decay mask ``M`` of the log-gates.
 
     Args:
@@ -59,9 +59,15 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         normalize: divide each row by ``sum_j A_ij + eps``.
         key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
         chunk_size: tokens per chunk of the chunk form.
+        matmul_dtype: ``torch.bfloat16`` runs the PyTorch chunk form's matmuls in bfloat16 (AMX on a
+            CPU that has it) with the outputs, states, decays and normalisers kept in float32, when no
+            gradient is needed (inference); otherwise, and by default, every product is float32. On
+            the CPUs measured so far it is no faster (the form's time is its elementwise work, see
+            ``benchmark.operator``'s ``chunk_bf16``), so the layers leave it off.
     Returns:
         ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs) whatever the
-        input dtype, with autocast off (fairseq's ``--amp``), on fla too.
+        input dtype, with autocast off (fairseq's ``--amp``), on fla too; only ``matmul_dtype`` asks for
+        bfloat16 products.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
@@ -78,18 +84,24 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
                          f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
 
+    if matmul_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     out_dtype = v.dtype
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
     use_fla = form == "chunk" and fla_available(v)
     if use_fla:
         gated = log_a_fwd is not None or (log_a_bwd is not None and not causal)
-        needs_grad = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
         refusal = fla_refuses(v, gated, needs_grad)
         if refusal:
             warn_once(refusal)
             use_fla = False
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # bfloat16 products only where they pay and nothing is trained through them
+    low = (matmul_dtype == torch.bfloat16 and form == "chunk" and not use_fla and not needs_grad
+           and dtype == torch.float32)
+    mm = torch.bfloat16 if low else dtype
+    q, k, v = q.to(mm), k.to(mm), v.to(mm)
     k, v = mask_padded_keys(k, v, key_padding_mask)
     if causal:
         log_a_bwd = None

@@ -186,6 +186,17 @@ def _flat(x: Tensor) -> Tensor:
     return x.view(-1, *x.shape[2:])
 
 
+def _bmm_into(dst: Tensor, a: Tensor, b: Tensor, add: bool = False) -> None:
+    """``dst = a @ b`` (``dst += a @ b`` when ``add``), batched. With bfloat16 operands the product runs
+    in bfloat16 (float32 accumulation inside the kernel) and is added to the float32 ``dst``; b is
+    rounded to a's dtype first (a state read by bfloat16 queries)."""
+    if a.dtype == dst.dtype:
+        dst.baddbmm_(a, b) if add else torch.bmm(a, b, out=dst)
+        return
+    out = torch.bmm(a, b.to(a.dtype))
+    dst.add_(out) if add else dst.copy_(out)
+
+
 class _ChunkAttention(torch.autograd.Function):
     """``o = ((q k^T) * W) v`` on the chunk grid, divided by ``((q k^T) * W) 1 + eps`` when normalising:
     q, k ``(N, G, C, Dk)``, v ``(N, G, C, Dv)``, contiguous, chunk first (padded to N*C tokens);
@@ -197,35 +208,38 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_f, log_b, bidirectional, normalize, eps):
         N, G, C, Dk = q.shape
-        grid = _grid(log_f, log_b, G, N, C, bidirectional, q.dtype)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # outputs, states, decays, normalisers
+        grid = _grid(log_f, log_b, G, N, C, bidirectional, acc)
         train = any(ctx.needs_input_grad[:5])
+        if train and q.dtype != acc:
+            raise ValueError(f"the chunk form trains in float32; got {q.dtype} inputs that need gradients")
         saved = []
-        y = torch.empty_like(v)
-        E = q.new_empty(N, G, grid.dirs() * Dk, v.shape[-1])
-        Z = q.new_empty(N, G, grid.dirs() * Dk) if normalize else None
-        den = q.new_empty(N, G, C) if normalize else None
+        y = q.new_empty(v.shape, dtype=acc)
+        E = q.new_empty(N, G, grid.dirs() * Dk, v.shape[-1], dtype=acc)
+        Z = q.new_empty(N, G, grid.dirs() * Dk, dtype=acc) if normalize else None
+        den = q.new_empty(N, G, C, dtype=acc) if normalize else None
         for n0, n1 in grid.blocks:  # within chunks, and each chunk's own contribution to the states
             s = slice(n0, n1)
             qs, ks, vs = _flat(q[s]), _flat(k[s]), _flat(v[s])
             A = torch.bmm(qs, ks.transpose(1, 2))
-            W = grid.matrix(s, n1 - n0, G, C, q.dtype, q.device)
-            if W is not None:
+            W = grid.matrix(s, n1 - n0, G, C, acc, q.device)
+            if W is not None:  # bfloat16 scores times float32 decays, rounded once, in place
                 A.mul_(W)
-            torch.bmm(A, vs, out=_flat(y[s]))
+            _bmm_into(_flat(y[s]), A, vs)
             own = grid.stacked(k[s], "own", s)
-            torch.bmm(_flat(own).transpose(1, 2), vs, out=_flat(E[s]))
+            _bmm_into(_flat(E[s]), _flat(own).transpose(1, 2), vs)
             if normalize:
-                torch.sum(A.view(n1 - n0, G, C, C), -1, out=den[s])
-                torch.sum(own, -2, out=Z[s])
+                torch.sum(A.view(n1 - n0, G, C, C), -1, dtype=acc, out=den[s])
+                torch.sum(own, -2, dtype=acc, out=Z[s])
             if train:
                 saved.append((A, W))
         grid.states_([E, Z] if normalize else [E])
         for n0, n1 in grid.blocks:  # both directions' states, read with one matmul
             s = slice(n0, n1)
             read = _flat(grid.stacked(q[s], "read", s))
-            _flat(y[s]).baddbmm_(read, _flat(E[s]))
+            _bmm_into(_flat(y[s]), read, _flat(E[s]), add=True)
             if normalize:
-                _flat(den[s]).unsqueeze(-1).baddbmm_(read, _flat(Z[s]).unsqueeze(-1))
+                _flat(den[s]).unsqueeze(-1).baddbmm_(read.to(acc), _flat(Z[s]).unsqueeze(-1))
                 y[s] /= den[s, ..., None] + eps
         if train:
             ctx.save_for_backward(q, k, v, log_f, log_b, y, den, E, Z)
@@ -325,7 +339,10 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor]
                     log_a_bwd: Optional[Tensor], causal: bool, chunk_size: int, normalize: bool = False,
                     eps: float = 1e-6) -> Tensor:
     """q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)``; gates ``(B, H, L)`` or None. Returns ``(B, H, L, Dv)``:
-    ``((q k^T) * M) v``, divided row by row by ``sum_j (q k^T * M)_ij + eps`` if ``normalize``."""
+    ``((q k^T) * M) v``, divided row by row by ``sum_j (q k^T * M)_ij + eps`` if ``normalize``.
+
+    q, k, v in float32 (or float64), or in bfloat16 for inference: the matmuls then run in bfloat16 and
+    the output, the states, the decays and the normaliser stay float32 (the result is float32)."""
     B, H, L, Dk = q.shape
     Dv = v.shape[-1]
     C = min(chunk_size, L)
