@@ -35,9 +35,10 @@ def fairseq_cli(module, *args, stdin=None):
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def train(data, save_dir, max_update):
+def train(data, save_dir, max_update, *extra):
+    """``extra`` options come after TRAIN's and override them (argparse keeps the last)."""
     return fairseq_cli("train", str(data), "--user-dir", USER_DIR, *TRAIN, "--save-dir", str(save_dir),
-                       "--max-update", str(max_update))
+                       "--max-update", str(max_update), *extra)
 
 
 @pytest.fixture(scope="session")
@@ -258,6 +259,22 @@ def test_resume_mid_epoch_is_exact(trained, text_data_bin, tmp_path):
     for name in straight:
         assert torch.equal(resumed[name], straight[name]), name
     assert not torch.equal(half["model"]["decoder.layers.0.fc1.weight"], straight["decoder.layers.0.fc1.weight"])
+
+
+def test_resume_with_the_levers_is_exact(text_data_bin, tmp_path):
+    """lion_s_lm_plus_tiny (short convolution, output gate, gate temperature): a run stopped mid-epoch and
+    restarted ends with the same parameters, the levers' own included, as one that ran straight through."""
+    plus = ("--arch", "lion_s_lm_plus_tiny")
+    train(text_data_bin, tmp_path / "straight", UPDATES, *plus)
+    train(text_data_bin, tmp_path / "resumed", HALF, *plus)
+    train(text_data_bin, tmp_path / "resumed", UPDATES, *plus)
+    straight = torch.load(tmp_path / "straight" / "checkpoint_last.pt", weights_only=True)["model"]
+    resumed = torch.load(tmp_path / "resumed" / "checkpoint_last.pt", weights_only=True)["model"]
+    assert resumed.keys() == straight.keys()
+    levers = [n for n in straight if "conv_weight" in n or "out_gate" in n]
+    assert levers, sorted(straight)
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name
 
 
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])

@@ -263,12 +263,12 @@ def long_document(args: argparse.Namespace) -> None:
     """``--long``: one forward pass per (series, dtype, L), each in a fresh process."""
     import torch
 
-    from .operator import matmul_gflops
+    from .operator import cpu_name, matmul_gflops
     from .plotting import against_length, pyplot
 
     rates = {d: matmul_gflops(args.threads, dtype=t) for d, t in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     head = (f"Long-document encoding: one sequence, features of a forward pass, best (worst) of {args.steps}; "
-            f"{args.threads} threads on {args.device}; 2048^3 matmul {rates['fp32']:.0f} GFLOP/s fp32, "
+            f"{args.threads} threads on {args.device} ({cpu_name()}); 2048^3 matmul {rates['fp32']:.0f} GFLOP/s fp32, "
             f"{rates['bf16']:.0f} bf16; vocab {args.vocab}, LION chunk {args.chunk_size}")
     print(head, flush=True)
     rows: Dict[str, Dict[int, Dict]] = {}

@@ -16,6 +16,7 @@ rest of its time is elementwise work, the scan's per-chunk steps and memory traf
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -56,6 +57,16 @@ def matmul_gflops(threads: int, n: int = 2048, repeats: int = 3, dtype: Optional
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
+
+
+def cpu_name() -> str:
+    """The CPU's model name (timings differ by 2x between the machines one kind of runner gets)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 GEMMS = ("bmm.default", "bmm.out", "baddbmm.default", "baddbmm_.default", "baddbmm.out")
@@ -296,7 +307,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                       f"fwd {fmt(r.get('fwd'))} s  fwd+bwd {fmt(r.get('fwdbwd'))} s  peak {fmt(r.get('peak_mib'))} MiB"),
                       flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    md = ("float32 matmul (2048^3): " + ", ".join(f"{fmt(g, 1)} GFLOP/s on {t} threads" for t, g in peaks.items())
+    md = (f"{cpu_name()}; float32 matmul (2048^3): " + ", ".join(f"{fmt(g, 1)} GFLOP/s on {t} threads" for t, g in peaks.items())
           + f"; best of {args.repeats}\n\n" + table(results, args.lengths))
     if "chunk" in results and "sdpa" in results:
         md += "\n\nchunk form against softmax and against its own matmuls alone:\n\n" + ceiling_table(scaling, args.lengths)
