@@ -308,12 +308,8 @@ def long_document(args: argparse.Namespace) -> None:
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        against_length(axes[0], rows, "tokens_per_s", "tokens/s, one sequence (higher is better)", dashed=None)
-        against_length(axes[1], rows, "peak_mib", "peak MiB above the weights", dashed=None)
-        for ax in axes:
-            for line in ax.get_lines():
-                if line.get_label().endswith("bf16"):
-                    line.set_linestyle("--")
+        against_length(axes[0], rows, "tokens_per_s", "tokens/s, one sequence (higher is better)", dashed="bf16")
+        against_length(axes[1], rows, "peak_mib", "peak MiB above the weights", dashed="bf16")
         fig.tight_layout()
         fig.savefig(args.out / "long.png", dpi=110)
         plt.close(fig)

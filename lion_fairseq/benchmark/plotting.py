@@ -19,12 +19,12 @@ def pyplot():
 
 def against_length(ax, series: Dict[str, Dict[int, Dict]], key: str, title: str,
                    dashed: Optional[str] = None) -> None:
-    """One line per series of ``{L: {key: value}}``, log-log; names starting with ``dashed`` dashed."""
+    """One line per series of ``{L: {key: value}}``, log-log; names containing ``dashed`` dashed."""
     for name, per_len in series.items():
         pts = [(L, r[key]) for L, r in sorted(per_len.items()) if r.get(key)]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name,
-                    linestyle="--" if dashed and name.startswith(dashed) else "-")
+                    linestyle="--" if dashed and dashed in name else "-")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length L")

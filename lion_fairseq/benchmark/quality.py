@@ -101,7 +101,7 @@ def mqar_lines(n: int, pairs: int, rng: random.Random) -> List[str]:
     return lines
 
 
-def prepare_recall(root: Path, pairs: int, train_lines: int = 20000, seed: int = 0) -> Path:
+def prepare_recall(root: Path, pairs: int, train_lines: int, seed: int = 0) -> Path:
     """MQAR text (train, valid, test) binarised with ``fairseq-preprocess --only-source`` (made once)."""
     data = root / f"data_{pairs}_{train_lines}"
     if not (data / "test.bin").exists():
@@ -118,7 +118,7 @@ def prepare_recall(root: Path, pairs: int, train_lines: int = 20000, seed: int =
 
 
 def train_command(what: str, data: Path, save: Path, flags: List[str], updates: int, seed: int,
-                  tokens: int, lr: float = 1e-3, warmup: int = 60) -> List[str]:
+                  tokens: int, lr: float, warmup: int) -> List[str]:
     """``fairseq-train`` for one model of ``what``; only ``flags`` (the arch and its options) differ."""
     argv = console("fairseq-train") + [str(data), "--user-dir", user_dir_path(), *flags]
     if what == "mlm":
@@ -192,7 +192,7 @@ def recall_accuracy(data: Path, checkpoint: Path) -> float:
 
 
 def one_run(what: str, root: Path, data: Path, name: str, flags: List[str], updates: int, seed: int,
-            tokens: int, lr: float = 1e-3, warmup: int = 60) -> Dict:
+            tokens: int, lr: float, warmup: int) -> Dict:
     tag = f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}_{seed}"
     save = root / "checkpoints" / tag
     argv = train_command(what, data, save, flags, updates, seed, tokens, lr, warmup)
@@ -270,7 +270,7 @@ def plot(what: str, rows: List[Dict], path: Path) -> bool:
 
 
 def compare(what: str, out: Path, models: List[Tuple[str, List[str]]], seeds: List[int], updates: int,
-            lr: float, warmup: int, pairs: int = 4, lines: int = 20000) -> str:
+            lr: float, warmup: int, pairs: int, lines: int) -> str:
     root = out / what
     root.mkdir(parents=True, exist_ok=True)
     if what == "recall":
