@@ -88,6 +88,24 @@ def test_chunk_form_across_blocks_and_steep_chunks(monkeypatch, steep, block_tok
         assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, name
 
 
+@pytest.mark.parametrize("chunk", [2 * chunk_module.SUB, 2 * chunk_module.SUB + 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunk_form_trains_with_chunks_of_several_sub_blocks(chunk, causal):
+    """Chunks of several sub-blocks of decays, a whole number of them or not (then the decay matrix is
+    cropped before the backward pass keeps it): values and gradients against the reference."""
+    inputs = make_inputs(3 * chunk + 5, "token", seed=5)
+    weight = torch.randn(B, H, 3 * chunk + 5, DV, generator=torch.Generator().manual_seed(6))
+    ref_fn = lambda *x: reference_attention(*x, causal=causal)  # noqa: E731
+    ref_inputs = [x.double() for x in inputs]
+    ref, ref_grads = ref_fn(*ref_inputs), grads(ref_fn, ref_inputs, weight)
+    fn = lambda *x: lion_attention(*x, form="chunk", causal=causal, chunk_size=chunk)  # noqa: E731
+    assert rel_err(fn(*inputs), ref) < 1e-4
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight), ref_grads):
+        if causal and name == "log_a_bwd":
+            continue
+        assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, name
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_float64(form, causal):
@@ -276,19 +294,19 @@ def test_chunk_scan_equals_the_sum_it_stands_for(reverse, decay):
     literal sum ``sum_{j<m} (prod_{j<l<m} whole_l) U_j`` (``j > m`` when ``reverse``)."""
     g = torch.Generator().manual_seed(4)
     N, G = 7, 3
-    U = torch.randn(N, G, 4, 5, generator=g, dtype=torch.float64)
-    whole = torch.rand(N, G, generator=g, dtype=torch.float64) if decay else None
-    x = U.clone()
-    chunk_module.scan_([x], whole, reverse)
+    U = torch.randn(G, N, 4, 5, generator=g, dtype=torch.float64)
+    whole = torch.rand(G, N, generator=g, dtype=torch.float64) if decay else None
+    x = torch.full_like(U, float("nan"))  # every entry written
+    chunk_module.scan(U, x, whole, reverse)
     for m in range(N):
-        expect = torch.zeros_like(U[0])
+        expect = torch.zeros_like(U[:, 0])
         for j in (range(m + 1, N) if reverse else range(m)):
             between = range(m + 1, j) if reverse else range(j + 1, m)
             factor = torch.ones(G, dtype=torch.float64)
             for l in between:
-                factor = factor * (whole[l] if decay else 1.0)
-            expect += factor[:, None, None] * U[j]
-        assert torch.allclose(x[m], expect), m
+                factor = factor * (whole[:, l] if decay else 1.0)
+            expect += factor[:, None, None] * U[:, j]
+        assert torch.allclose(x[:, m], expect), m
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
