@@ -106,6 +106,39 @@ def test_chunk_form_trains_with_chunks_of_several_sub_blocks(chunk, causal):
         assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, name
 
 
+def test_chunk_workspace_is_per_thread_and_can_be_released():
+    """The chunk form's reused buffers: calls of other shapes in between, other threads at the same
+    time, or a release change no value or gradient."""
+    import threading
+
+    from lion_fairseq.ops import release_workspace
+
+    def run(L, seed):
+        x = [t.requires_grad_() for t in make_inputs(L, "token", seed=seed)]
+        y = lion_attention(*x, form="chunk", chunk_size=C)
+        y.pow(2).sum().backward()
+        return [y.detach()] + [t.grad for t in x]
+
+    release_workspace()
+    alone = {L: run(L, L) for L in (3 * C + 1, 7 * C)}
+    results = {}
+
+    def worker(L):
+        results[L] = [run(L, L) for _ in range(3)]
+
+    threads = [threading.Thread(target=worker, args=(L,)) for L in alone]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    release_workspace()
+    after = {L: run(L, L) for L in alone}
+    for L, expect in alone.items():
+        for got in results[L] + [after[L]]:
+            for a, b in zip(got, expect):
+                assert torch.equal(a, b), L
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_float64(form, causal):
@@ -287,17 +320,18 @@ def test_bad_arguments_name_the_argument():
         lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1)))
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("decay", [False, True])
-def test_chunk_scan_equals_the_sum_it_stands_for(reverse, decay):
+def test_chunk_scan_equals_the_sum_it_stands_for(reverse, decay, in_place):
     """The scan over the chunk axis (the states entering each chunk, and their gradients) against the
     literal sum ``sum_{j<m} (prod_{j<l<m} whole_l) U_j`` (``j > m`` when ``reverse``)."""
     g = torch.Generator().manual_seed(4)
     N, G = 7, 3
     U = torch.randn(G, N, 4, 5, generator=g, dtype=torch.float64)
     whole = torch.rand(G, N, generator=g, dtype=torch.float64) if decay else None
-    x = torch.full_like(U, float("nan"))  # every entry written
-    chunk_module.scan(U, x, whole, reverse)
+    x = U.clone() if in_place else torch.full_like(U, float("nan"))  # every entry written
+    chunk_module.scan(x if in_place else U, x, whole, reverse)
     for m in range(N):
         expect = torch.zeros_like(U[:, 0])
         for j in (range(m + 1, N) if reverse else range(m)):

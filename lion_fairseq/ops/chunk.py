@@ -109,22 +109,33 @@ def decay_matrix(cf: Optional[Tensor], cb: Optional[Tensor], bidirectional: bool
 
 def scan(u: Tensor, out: Tensor, whole: Optional[Tensor], reverse: bool) -> None:
     """Over the chunk axis (dim 1) of u ``(G, N, ...)``: ``out[:, m] = sum_{j<m} (prod_{j<l<m} whole[:, l])
-    u[:, j]`` (``j > m`` and ``m<l<j`` when ``reverse``); whole ``(G, N)`` or None (1).
+    u[:, j]`` (``j > m`` and ``m<l<j`` when ``reverse``); whole ``(G, N)`` or None (1). ``out`` may be u.
 
     The chunks' own contributions u become the states entering each chunk: ``out[:, m+1] = whole[:, m] *
-    out[:, m] + u[:, m]``, one fused op per chunk on every head at once. Its adjoint is the same scan the
-    other way round, which is how the backward pass carries gradients between chunks."""
+    out[:, m] + u[:, m]``, one fused op per chunk on every head at once (two in place, where a chunk's
+    contribution is read before its state overwrites it). Its adjoint is the same scan the other way
+    round, which is how the backward pass carries gradients between chunks."""
     N = u.shape[1]
-    steps = range(N - 1, 0, -1) if reverse else range(N - 1)
-    nxt = -1 if reverse else 1
-    out[:, N - 1 if reverse else 0].zero_()
-    if whole is None:
-        for m in steps:
-            torch.add(u[:, m], out[:, m], out=out[:, m + nxt])
+    us, outs = u.unbind(1), out.unbind(1)  # the per-chunk views made at once, not one by one in the loop
+    ws = whole.view(whole.shape + (1,) * (u.dim() - 2)).unbind(1) if whole is not None else None
+    order = range(N - 1, -1, -1) if reverse else range(N)
+
+    def step(m: int, state: Tensor, dst: Tensor) -> None:  # dst = whole[m] * state + u[m]
+        if ws is None:
+            torch.add(us[m], state, out=dst)
+        else:
+            torch.addcmul(us[m], state, ws[m], out=dst)
+
+    if out.data_ptr() == u.data_ptr():
+        state, nxt = torch.zeros_like(us[0]), torch.empty_like(us[0])
+        for m in order:
+            step(m, state, nxt)
+            us[m].copy_(state)
+            state, nxt = nxt, state
         return
-    w = whole.view(whole.shape + (1,) * (u.dim() - 2))
-    for m in steps:
-        torch.addcmul(u[:, m], out[:, m], w[:, m], out=out[:, m + nxt])
+    outs[order[0]].zero_()
+    for m, after in zip(order, order[1:]):
+        step(m, outs[m], outs[after])
 
 
 # The largest buffer the workspace keeps between calls; a larger one is allocated for the call alone.
@@ -158,6 +169,11 @@ class _Workspace(threading.local):
 workspace = _Workspace()
 
 
+def release_workspace() -> None:
+    """Free the chunk form's reused CPU buffers of the calling thread (made again when next needed)."""
+    workspace.release()
+
+
 class _Grid(NamedTuple):
     """What the forward and backward passes share: each direction's decays and the blocks of chunks."""
     fwd: Optional[Decay]
@@ -189,7 +205,7 @@ class _Grid(NamedTuple):
             if sc is None:
                 out[..., i * D:(i + 1) * D] = x
             else:
-                torch.mul(x, sc[..., None], out=out[..., i * D:(i + 1) * D])
+                torch.mul(x, sc[..., None].to(x.dtype), out=out[..., i * D:(i + 1) * D])
         return out
 
     def add_scaled(self, dst: Tensor, x: Tensor, which: str, s: slice) -> None:
@@ -230,15 +246,30 @@ def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], G: int, N: int, C: i
                  [slice(i, min(i + per, G * N)) for i in range(0, G * N, per)])
 
 
+def _low(name: str, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in ``dtype``, rounded into a workspace buffer (no copy when it is already): elementwise ops on
+    mixed float32 and bfloat16 operands run several times slower on a CPU than a conversion and the op."""
+    return x if x.dtype == dtype else workspace(name, x.shape, dtype, x.device).copy_(x)
+
+
 def _bmm_into(dst: Tensor, a: Tensor, b: Tensor, add: bool = False) -> None:
     """``dst = a @ b`` (``dst += a @ b`` when ``add``), batched. With bfloat16 operands the product runs
-    in bfloat16 (float32 accumulation inside the kernel) and is added to the float32 ``dst``; b is
-    rounded to a's dtype first (a state read by bfloat16 queries)."""
+    in bfloat16 (float32 accumulation inside the kernel), is rounded once and lands in the float32
+    ``dst``; b is rounded to a's dtype first (a float32 state read by bfloat16 queries)."""
     if a.dtype == dst.dtype:
         dst.baddbmm_(a, b) if add else torch.bmm(a, b, out=dst)
         return
-    out = torch.bmm(a, b.to(a.dtype))
-    dst.add_(out) if add else dst.copy_(out)
+    out = torch.bmm(a, _low("b", b, a.dtype), out=workspace("ab", dst.shape, a.dtype, a.device))
+    dst.add_(_low("ab32", out, dst.dtype)) if add else dst.copy_(out)
+
+
+def _sum_into(dst: Tensor, x: Tensor, dim: int) -> None:
+    """``dst = x.sum(dim)``; a bfloat16 x is summed with float32 accumulation inside the kernel and rounded
+    once (asking for a float32 result converts x first, which costs several times the sum)."""
+    if x.dtype == dst.dtype:
+        torch.sum(x, dim, out=dst)
+    else:
+        dst.copy_(x.sum(dim))
 
 
 class _ChunkAttention(torch.autograd.Function):
@@ -259,11 +290,12 @@ class _ChunkAttention(torch.autograd.Function):
         if train and q.dtype != acc:
             raise ValueError(f"the chunk form trains in float32; got {q.dtype} inputs that need gradients")
         y = q.new_empty(v.shape, dtype=acc)
-        # the chunks' own contributions (U) become the states entering them (E; Z for the normaliser)
-        U = workspace("U", (M, grid.dirs() * Dk, v.shape[-1]), acc, q.device)
-        UZ = workspace("UZ", (M, grid.dirs() * Dk), acc, q.device) if normalize else None
-        E = q.new_empty(U.shape, dtype=acc)
-        Z = q.new_empty(UZ.shape, dtype=acc) if normalize else None
+        # the chunks' own contributions (U) become the states entering them (E; Z for the normaliser),
+        # in place at inference, where nothing keeps them
+        E = q.new_empty(M, grid.dirs() * Dk, v.shape[-1], dtype=acc)
+        Z = q.new_empty(M, grid.dirs() * Dk, dtype=acc) if normalize else None
+        U = workspace("U", E.shape, acc, q.device) if train else E
+        UZ = (workspace("UZ", Z.shape, acc, q.device) if train else Z) if normalize else None
         den = q.new_empty(M, C, dtype=acc) if normalize else None
         masked = grid.fwd is not None or grid.bwd is not None or not bidirectional  # W is not all ones
         # training keeps every chunk's A and W: one allocation each, not one per block
@@ -274,20 +306,20 @@ class _ChunkAttention(torch.autograd.Function):
             qs, ks, vs = q[s], k[s], v[s]
             A = torch.bmm(qs, ks.transpose(1, 2), out=As[s] if train else workspace("A", (n, C, C), q.dtype, q.device))
             W = grid.matrix(s, n, C, acc, q.device, Ws[s] if Ws is not None else workspace("W", (n, C, C), acc, q.device))
-            if W is not None:  # bfloat16 scores times float32 decays, rounded once, in place
-                A.mul_(W)
+            if W is not None:  # bfloat16 scores times the float32 decays rounded to bfloat16
+                A.mul_(_low("W_low", W, A.dtype))
             _bmm_into(y[s], A, vs)
             own = grid.stacked(ks, "own", s)
             _bmm_into(U[s], own.transpose(1, 2), vs)
             if normalize:
-                torch.sum(A, -1, dtype=acc, out=den[s])
-                torch.sum(own, -2, dtype=acc, out=UZ[s])
+                _sum_into(den[s], A, -1)
+                _sum_into(UZ[s], own, -2)
         grid.states([U, UZ] if normalize else [U], [E, Z] if normalize else [E])
         for s in grid.blocks:  # both directions' states, read with one matmul
             read = grid.stacked(q[s], "read", s)
             _bmm_into(y[s], read, E[s], add=True)
             if normalize:
-                den[s].unsqueeze(-1).baddbmm_(read.to(acc), Z[s].unsqueeze(-1))
+                _bmm_into(den[s].unsqueeze(-1), read, Z[s].unsqueeze(-1), add=True)
                 y[s] /= den[s, :, None] + eps
         if train:
             ctx.save_for_backward(q, k, v, log_f, log_b, y, den, E, Z, As, Ws)
@@ -303,7 +335,6 @@ class _ChunkAttention(torch.autograd.Function):
         G = M // N
         grid = _grid(log_f, log_b, G, N, C, ctx.bidirectional, q.dtype)
         fwd, bwd = grid.fwd, grid.bwd
-        dy = dy.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         inv = 1.0 / (den + eps) if normalize else None
         # gradients w.r.t. the entering states (dE, dZ), then w.r.t. the chunks' contributions (dU, dUZ)
