@@ -139,6 +139,30 @@ def test_chunk_workspace_is_per_thread_and_can_be_released():
                 assert torch.equal(a, b), L
 
 
+def test_chunk_buffers_kept_for_backward_are_not_reused_while_held():
+    """What the forward keeps for the backward pass comes from reused buffers: two graphs alive at once,
+    and a graph kept (``retain_graph``) across another step, each get gradients of their own."""
+    def leaves(seed):
+        return [t.requires_grad_() for t in make_inputs(4 * C + 3, "token", seed=seed)]
+
+    def alone(seed):
+        x = leaves(seed)
+        lion_attention(*x, form="chunk", chunk_size=C).pow(2).sum().backward()
+        return [t.grad for t in x]
+
+    expect = {seed: alone(seed) for seed in (1, 2)}
+    x1, x2 = leaves(1), leaves(2)
+    y1 = lion_attention(*x1, form="chunk", chunk_size=C).pow(2).sum()
+    y2 = lion_attention(*x2, form="chunk", chunk_size=C).pow(2).sum()
+    (y1 + y2).backward(retain_graph=True)
+    alone(2)  # a step in between, which may take any buffer not held
+    y1.backward()  # the kept graph again: its gradients add up a second time
+    for got, want in zip([t.grad for t in x1], expect[1]):
+        assert torch.allclose(got, 2 * want, rtol=1e-5, atol=1e-6)
+    for got, want in zip([t.grad for t in x2], expect[2]):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_float64(form, causal):

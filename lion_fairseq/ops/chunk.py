@@ -16,13 +16,13 @@ per block: the kernel hands every new large buffer out page by page, which costs
 arithmetic done in it, so the blocks' temporaries live in buffers reused from block to block. The
 backward pass is written out and reuses the forward's ``A``, ``W`` and states rather than recomputing
 them."""
-import math
-import threading
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .workspace import workspace
 
 # Tokens per block of chunks: the block's C x C matrices (4 * BLOCK_TOKENS * C bytes each) stay in the
 # CPU's cache between the ops that touch them.
@@ -136,42 +136,6 @@ def scan(u: Tensor, out: Tensor, whole: Optional[Tensor], reverse: bool) -> None
     outs[order[0]].zero_()
     for m, after in zip(order, order[1:]):
         step(m, outs[m], outs[after])
-
-
-# The largest buffer the workspace keeps between calls; a larger one is allocated for the call alone.
-WORKSPACE_MAX_BYTES = 256 << 20
-
-
-class _Workspace(threading.local):
-    """Named CPU buffers the op reuses from block to block and from call to call, one set per thread.
-    None of them leaves the op: they hold a block's temporaries and the backward pass's state gradients.
-    On a CPU a new large tensor costs a page fault per 4 KiB on first touch (glibc maps every allocation
-    over its mmap threshold afresh), which is more than the arithmetic done in it; on CUDA PyTorch's
-    caching allocator already reuses memory, so there each call allocates."""
-
-    def __init__(self) -> None:
-        self.bufs: Dict[Tuple[str, torch.dtype], Tensor] = {}
-
-    def __call__(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        n = math.prod(shape)
-        if device.type != "cpu" or n * torch.finfo(dtype).bits // 8 > WORKSPACE_MAX_BYTES:
-            return torch.empty(shape, dtype=dtype, device=device)
-        buf = self.bufs.get((name, dtype))
-        if buf is None or buf.numel() < n:
-            buf = self.bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
-        return buf[:n].view(shape)
-
-    def release(self) -> None:
-        """Free this thread's buffers (they are made again on the next call)."""
-        self.bufs.clear()
-
-
-workspace = _Workspace()
-
-
-def release_workspace() -> None:
-    """Free the chunk form's reused CPU buffers of the calling thread (made again when next needed)."""
-    workspace.release()
 
 
 class _Grid(NamedTuple):
@@ -292,19 +256,23 @@ class _ChunkAttention(torch.autograd.Function):
         y = q.new_empty(v.shape, dtype=acc)
         # the chunks' own contributions (U) become the states entering them (E; Z for the normaliser),
         # in place at inference, where nothing keeps them
-        E = q.new_empty(M, grid.dirs() * Dk, v.shape[-1], dtype=acc)
-        Z = q.new_empty(M, grid.dirs() * Dk, dtype=acc) if normalize else None
+        def keep(shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:  # what the backward pass reads
+            return workspace.kept(shape, dtype, q.device) if train else q.new_empty(shape, dtype=dtype)
+
+        E = keep((M, grid.dirs() * Dk, v.shape[-1]), acc)
+        Z = keep((M, grid.dirs() * Dk), acc) if normalize else None
         U = workspace("U", E.shape, acc, q.device) if train else E
         UZ = (workspace("UZ", Z.shape, acc, q.device) if train else Z) if normalize else None
-        den = q.new_empty(M, C, dtype=acc) if normalize else None
+        den = keep((M, C), acc) if normalize else None
         masked = grid.fwd is not None or grid.bwd is not None or not bidirectional  # W is not all ones
         # training keeps every chunk's A and W: one allocation each, not one per block
-        As = q.new_empty(M, C, C) if train else None
-        Ws = q.new_empty(M, C, C, dtype=acc) if train and masked else None
+        As = keep((M, C, C), q.dtype) if train else None
+        Ws = keep((M, C, C), acc) if train and masked else None
         for s in grid.blocks:  # within chunks, and each chunk's own contribution to the states
             n = s.stop - s.start
             qs, ks, vs = q[s], k[s], v[s]
-            A = torch.bmm(qs, ks.transpose(1, 2), out=As[s] if train else workspace("A", (n, C, C), q.dtype, q.device))
+            A = As[s] if train else workspace("A", (n, C, C), q.dtype, q.device)
+            torch.bmm(qs, ks.transpose(1, 2), out=A)
             W = grid.matrix(s, n, C, acc, q.device, Ws[s] if Ws is not None else workspace("W", (n, C, C), acc, q.device))
             if W is not None:  # bfloat16 scores times the float32 decays rounded to bfloat16
                 A.mul_(_low("W_low", W, A.dtype))
@@ -352,7 +320,8 @@ class _ChunkAttention(torch.autograd.Function):
             qs, ks, vs = q[s], k[s], v[s]
             if normalize:  # the gradients w.r.t. the unnormalised output and the normaliser
                 dos = torch.mul(dy[s], inv[s, :, None], out=workspace("do", dy[s].shape, q.dtype, q.device))
-                dden = torch.mul(dy[s], y[s], out=workspace("dden", dy[s].shape, q.dtype, q.device)).sum(-1).mul_(inv[s]).neg_()
+                dden = torch.mul(dy[s], y[s], out=workspace("dden", dy[s].shape, q.dtype, q.device)).sum(-1)
+                dden.mul_(inv[s]).neg_()
             else:
                 dos, dden = dy[s], None
             dA = torch.bmm(dos, vs.transpose(1, 2), out=workspace("dA", (n, C, C), q.dtype, q.device))

@@ -1,0 +1,83 @@
+"""CPU buffers the chunk form reuses instead of allocating afresh, one set per thread.
+
+On a CPU a new large tensor costs a page fault per 4 KiB page on first touch (glibc maps every allocation
+above its mmap threshold anew and unmaps it on free), which costs more than the arithmetic done in it:
+a quarter of a training step of the chunk form at L = 16384 went there. PyTorch's CPU allocator caches
+nothing, so the op keeps its own buffers:
+
+- ``workspace(name, ...)``: a named buffer for what never leaves one call (a block's temporaries, the
+  states' contributions, the backward pass's state gradients), reused by the next call;
+- ``workspace.kept(...)``: a buffer for what the forward pass keeps for the backward pass, handed out
+  again once nothing holds it any more (its storage's use count, which torch exposes as
+  ``torch._C._storage_Use_Count``; without it these are allocated afresh).
+
+On CUDA, whose caching allocator already reuses memory, every call allocates. ``release()`` frees the
+calling thread's buffers."""
+import math
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+# The largest named buffer kept between calls, and the most the kept buffers hold together; beyond
+# either, the call allocates for itself.
+NAMED_MAX_BYTES = 256 << 20
+KEPT_MAX_BYTES = 2 << 30
+
+_use_count: Optional[Callable[[Tensor], int]] = None
+if hasattr(torch._C, "_storage_Use_Count"):
+    def _use_count(t: Tensor) -> int:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _bytes(n: int, dtype: torch.dtype) -> int:
+    return n * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+
+
+class Workspace(threading.local):
+    def __init__(self) -> None:
+        self.named: Dict[Tuple[str, torch.dtype], Tensor] = {}
+        self.kept_bufs: List[Tuple[Tensor, int]] = []  # (buffer, its use count when nothing else holds it)
+
+    def __call__(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A ``shape`` view of the buffer ``name``: valid until the next request of that name in this
+        thread, so only for what does not outlive the call."""
+        n = math.prod(shape)
+        if device.type != "cpu" or _bytes(n, dtype) > NAMED_MAX_BYTES:
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf = self.named.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self.named[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
+    def kept(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A ``shape`` tensor that may outlive the call (saved for backward): the smallest free buffer
+        that fits, else a new one."""
+        n = math.prod(shape)
+        if device.type != "cpu" or _use_count is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        best = None
+        for buf, idle in self.kept_bufs:
+            if buf.dtype == dtype and buf.numel() >= n and _use_count(buf) <= idle:
+                if best is None or buf.numel() < best.numel():
+                    best = buf
+        if best is None:
+            if sum(_bytes(b.numel(), b.dtype) for b, _ in self.kept_bufs) + _bytes(n, dtype) > KEPT_MAX_BYTES:
+                return torch.empty(shape, dtype=dtype)
+            best = torch.empty(n, dtype=dtype)
+            self.kept_bufs.append((best, _use_count(best)))
+        return best[:n].view(shape)
+
+    def release(self) -> None:
+        """Forget this thread's buffers (those still in use live on with their users)."""
+        self.named.clear()
+        self.kept_bufs.clear()
+
+
+workspace = Workspace()
+
+
+def release_workspace() -> None:
+    """Free the chunk form's reused CPU buffers of the calling thread (made again when next needed)."""
+    workspace.release()
