@@ -76,11 +76,18 @@ def test_chunk_form_across_blocks_and_steep_chunks(monkeypatch, steep, block_tok
     if steep:
         for gate in inputs[3:]:
             gate[..., 2 * C:3 * C] = -30.0
-    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(2))
+    assert_chunk_form_matches_reference(inputs, causal, C, seed=2)
+
+
+def assert_chunk_form_matches_reference(inputs, causal, chunk_size, seed):
+    """The chunk form's values and gradients (of a random weighting of its output) against the float64
+    reference."""
+    B_, H_, L = inputs[0].shape[:3]
+    weight = torch.randn(B_, H_, L, inputs[2].shape[-1], generator=torch.Generator().manual_seed(seed))
     ref_fn = lambda *x: reference_attention(*x, causal=causal)  # noqa: E731
     ref_inputs = [x.double() for x in inputs]
     ref, ref_grads = ref_fn(*ref_inputs), grads(ref_fn, ref_inputs, weight)
-    fn = lambda *x: lion_attention(*x, form="chunk", causal=causal, chunk_size=C)  # noqa: E731
+    fn = lambda *x: lion_attention(*x, form="chunk", causal=causal, chunk_size=chunk_size)  # noqa: E731
     assert rel_err(fn(*inputs), ref) < 1e-4
     for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight), ref_grads):
         if causal and name == "log_a_bwd":
@@ -93,17 +100,7 @@ def test_chunk_form_across_blocks_and_steep_chunks(monkeypatch, steep, block_tok
 def test_chunk_form_trains_with_chunks_of_several_sub_blocks(chunk, causal):
     """Chunks of several sub-blocks of decays, a whole number of them or not (then the decay matrix is
     cropped before the backward pass keeps it): values and gradients against the reference."""
-    inputs = make_inputs(3 * chunk + 5, "token", seed=5)
-    weight = torch.randn(B, H, 3 * chunk + 5, DV, generator=torch.Generator().manual_seed(6))
-    ref_fn = lambda *x: reference_attention(*x, causal=causal)  # noqa: E731
-    ref_inputs = [x.double() for x in inputs]
-    ref, ref_grads = ref_fn(*ref_inputs), grads(ref_fn, ref_inputs, weight)
-    fn = lambda *x: lion_attention(*x, form="chunk", causal=causal, chunk_size=chunk)  # noqa: E731
-    assert rel_err(fn(*inputs), ref) < 1e-4
-    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight), ref_grads):
-        if causal and name == "log_a_bwd":
-            continue
-        assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, name
+    assert_chunk_form_matches_reference(make_inputs(3 * chunk + 5, "token", seed=5), causal, chunk, seed=6)
 
 
 def test_chunk_workspace_is_per_thread_and_can_be_released():

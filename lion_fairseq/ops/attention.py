@@ -62,8 +62,9 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         matmul_dtype: ``torch.bfloat16`` runs the PyTorch chunk form's matmuls in bfloat16 (AMX on a
             CPU that has it) with the outputs, states, decays and normalisers kept in float32, when no
             gradient is needed (inference); otherwise, and by default, every product is float32. On
-            the CPUs measured so far it is no faster (the form's time is its elementwise work, see
-            ``benchmark.operator``'s ``chunk_bf16``), so the layers leave it off.
+            the CPUs measured so far it is no faster (its matmuls get faster, rounding their operands
+            and results costs as much; see ``benchmark.operator``'s ``chunk_bf16``), so the layers
+            leave it off.
     Returns:
         ``(B, H, L, Dv)`` in ``v.dtype``; computed in float32 (float64 for float64 inputs) whatever the
         input dtype, with autocast off (fairseq's ``--amp``), on fla too; only ``matmul_dtype`` asks for

@@ -11,11 +11,9 @@ turns them into the state entering each chunk, and the two directions are read w
 The data keeps the caller's layout, ``(B, H, L, D)`` seen as ``(G*N, C, D)`` chunks (``G = B*H`` heads of
 N chunks each, head-major), so that no copy of q, k, v, the output or the gradients changes their layout,
 and any run of consecutive chunks is one contiguous batch for ``bmm``. Speed on a CPU comes from those
-matmuls, from touching each ``C x C`` matrix as few times as possible, and from not allocating afresh
-per block: the kernel hands every new large buffer out page by page, which costs more than the
-arithmetic done in it, so the blocks' temporaries live in buffers reused from block to block. The
-backward pass is written out and reuses the forward's ``A``, ``W`` and states rather than recomputing
-them."""
+matmuls, from touching each ``C x C`` matrix as few times as possible, and from not allocating afresh:
+temporaries and what the backward pass keeps live in reused buffers (``workspace.py``). The backward
+pass is written out and reuses the forward's ``A``, ``W`` and states rather than recomputing them."""
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -253,12 +251,13 @@ class _ChunkAttention(torch.autograd.Function):
         train = any(ctx.needs_input_grad[:5])
         if train and q.dtype != acc:
             raise ValueError(f"the chunk form trains in float32; got {q.dtype} inputs that need gradients")
-        y = q.new_empty(v.shape, dtype=acc)
-        # the chunks' own contributions (U) become the states entering them (E; Z for the normaliser),
-        # in place at inference, where nothing keeps them
+
         def keep(shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:  # what the backward pass reads
             return workspace.kept(shape, dtype, q.device) if train else q.new_empty(shape, dtype=dtype)
 
+        y = q.new_empty(v.shape, dtype=acc)
+        # the chunks' own contributions (U) become the states entering them (E; Z for the normaliser),
+        # in place at inference, where nothing keeps them
         E = keep((M, grid.dirs() * Dk, v.shape[-1]), acc)
         Z = keep((M, grid.dirs() * Dk), acc) if normalize else None
         U = workspace("U", E.shape, acc, q.device) if train else E

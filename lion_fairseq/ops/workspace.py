@@ -25,10 +25,12 @@ from torch import Tensor
 NAMED_MAX_BYTES = 256 << 20
 KEPT_MAX_BYTES = 2 << 30
 
-_use_count: Optional[Callable[[Tensor], int]] = None
-if hasattr(torch._C, "_storage_Use_Count"):
-    def _use_count(t: Tensor) -> int:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _storage_use_count(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_use_count: Optional[Callable[[Tensor], int]] = (
+    _storage_use_count if hasattr(torch._C, "_storage_Use_Count") else None)
 
 
 def _bytes(n: int, dtype: torch.dtype) -> int:
