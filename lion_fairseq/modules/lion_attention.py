@@ -317,9 +317,10 @@ class LionAttention(nn.Module):
         ``source(s, e)`` gives (so the caller never holds the whole of it, nor its projections).
 
         A first pass, right to left, leaves the backward direction's state at each block's edge; the
-        second computes each block with both states carried in. Each block's keys and values are projected
-        in both passes: a sixth more multiply-adds than ``forward`` for memory that does not grow with T
-        beyond one state per block. key_padding_mask: ``(B, T)`` bool, True at padding."""
+        second computes each block with both states carried in (inside the block, the chunk form). Each
+        block's keys and values are projected in both passes: a sixth more multiply-adds than ``forward``
+        for memory that does not grow with T beyond one state per block. key_padding_mask: ``(B, T)``
+        bool, True at padding."""
         if self.causal:
             raise ValueError("blockwise inference is for bidirectional LionAttention")
         edges = list(range(0, T, block)) + [T]
@@ -373,7 +374,9 @@ class LionAttention(nn.Module):
             s, e = edges[i], edges[i + 1]
             x, q, k, v = block_qkv(s, e)
             f, b = gates(s, e)
-            y = block_attention(q, k, v, f, b, left, rights[i], form=self.form, normalize=self.normalize,
+            # inside a block the chunk form, whatever self.form: the same function as the token loop, at
+            # the chunk form's speed, in memory that still grows with the block, not with T
+            y = block_attention(q, k, v, f, b, left, rights[i], form="chunk", normalize=self.normalize,
                                 key_padding_mask=mask(s, e), chunk_size=self.chunk_size, eps=self.eps)
             if i + 1 < n:
                 left = state_after(left, k, v, f, mask(s, e))
