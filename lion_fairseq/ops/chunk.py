@@ -263,10 +263,9 @@ class _ChunkAttention(torch.autograd.Function):
         U = workspace("U", E.shape, acc, q.device) if train else E
         UZ = (workspace("UZ", Z.shape, acc, q.device) if train else Z) if normalize else None
         den = keep((M, C), acc) if normalize else None
-        masked = grid.fwd is not None or grid.bwd is not None or not bidirectional  # W is not all ones
-        # training keeps every chunk's A and W: one allocation each, not one per block
+        # training keeps every chunk's A and W (W is all ones, None, only when combined)
         As = keep((M, C, C), q.dtype) if train else None
-        Ws = keep((M, C, C), acc) if train and masked else None
+        Ws = keep((M, C, C), acc) if train and not grid.combined else None
         for s in grid.blocks:  # within chunks, and each chunk's own contribution to the states
             n = s.stop - s.start
             qs, ks, vs = q[s], k[s], v[s]
@@ -304,7 +303,8 @@ class _ChunkAttention(torch.autograd.Function):
         fwd, bwd = grid.fwd, grid.bwd
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         inv = 1.0 / (den + eps) if normalize else None
-        # gradients w.r.t. the entering states (dE, dZ), then w.r.t. the chunks' contributions (dU, dUZ)
+        # gradients w.r.t. the entering states (dE, dZ; in the forward's contribution buffers, free by
+        # now), then w.r.t. the chunks' contributions (dU, dUZ)
         dE = workspace("U", E.shape, E.dtype, E.device)
         dZ = workspace("UZ", Z.shape, Z.dtype, Z.device) if normalize else None
         dU = workspace("dU", E.shape, E.dtype, E.device)
