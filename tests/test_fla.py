@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -98,11 +97,20 @@ def rel_rms(x, ref):
     return ((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+@pytest.fixture(params=["fla", "forward kernels"])
+def gated_backward(request, monkeypatch):
+    """fla's own backward, or the one made of its forward kernel (where fla refuses its gated backward)."""
+    if request.param == "forward kernels":
+        monkeypatch.setattr(fla_mod, "fla_backward_refused", lambda x: "refused here")
+    return request.param
+
+
 @pytest.mark.parametrize("L", [1, 7, 33])
 @pytest.mark.parametrize("gates", ["none", "head", "token"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fla_attention_equals_reference_with_gradients(naive_fla, L, gates, causal):
-    """The unnormalised product for M of SPEC section 1, both directions, in float64 through the twin."""
+def test_fla_attention_equals_reference_with_gradients(naive_fla, gated_backward, L, gates, causal):
+    """The unnormalised product for M of SPEC section 1, both directions, in float64 through the twin;
+    gradients through the twin's own autograd or through ``_GLAFromForwardKernels``'s calls of it."""
     inputs = make_inputs(L, gates, seed=L)
 
     def fla_fn(q, k, v, f, b):  # fla_attention's contract: gates already (B, H, L)
@@ -115,8 +123,10 @@ def test_fla_attention_equals_reference_with_gradients(naive_fla, L, gates, caus
     assert rel_err(y, ref_fn(*inputs)) < 1e-12
     assert len(naive_fla) == (1 if causal else 2)
     weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fla_fn, inputs, weight),
-                           grads(ref_fn, inputs, weight)):
+    gr = grads(fla_fn, inputs, weight)
+    by_forward_kernels = gated_backward == "forward kernels" and gates != "none"
+    assert len(naive_fla) == (1 if causal else 2) * (2 + 3 * by_forward_kernels)
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), gr, grads(ref_fn, inputs, weight)):
         if rg is None or (causal and name == "log_a_bwd"):
             continue
         assert g is not None and (g - rg).abs().max() <= 1e-10 * rg.abs().max() + 1e-14, name
@@ -228,7 +238,7 @@ def test_gpu_benchmark_writes_its_tables(tmp_path):
     gpu.save(tmp_path, report)
     md = (tmp_path / "gpu.md").read_text()
     assert "| 65 | bfloat16 | False | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
-    assert "| 1024 | 32 | 0.5 | - | skipped (budget) | OOM |" in md and "error: RuntimeError" in md
+    assert "| 1024 | 32 | 0.5 | - | - | skipped (budget) | OOM |" in md and "error: RuntimeError" in md
     assert "| lion_lit | chunk | 4096 | 6.0e-04 | 4.0e-03 | 1.5 | 1.3 |" in md
     assert "| lion_s_lm | amp | 9.500 / 7.250 | yes | 7.0000 | 7.0000 | 7.0000 | 7.0000 | yes | 12.0 |" in md
     assert "| lion_d_lm | bf16 | error: 'skipped (budget)' |" in md
@@ -256,7 +266,7 @@ def test_gpu_benchmark_refuses_clearly_without_cuda_or_fla(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# ---- fla refusing a call: detected before it runs, the PyTorch form instead ----
+# ---- fla refusing its gated backward: known from the GPU and Triton, gradients from its forward kernel ----
 
 def fake_cuda(monkeypatch, capability, triton_version):
     """A tensor stand-in on a CUDA device of that capability, with that Triton installed."""
@@ -270,34 +280,34 @@ def fake_cuda(monkeypatch, capability, triton_version):
 @pytest.mark.parametrize("capability, version, refused", [
     ((9, 0), "3.4.0", True), ((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False), ((9, 0), "3.3.1", False),
     ((8, 0), "3.5.0", False), ((10, 0), "3.5.0", False)])
-def test_fla_refusal_is_known_before_the_call(monkeypatch, capability, version, refused):
+def test_fla_backward_refusal_is_known_from_gpu_and_triton(monkeypatch, capability, version, refused):
     """fla 0.6 raises in the backward of a gated call on Hopper with 3.4 <= Triton < 3.7.1 (fla #640)."""
     x = fake_cuda(monkeypatch, capability, version)
-    assert bool(fla_mod.fla_refuses(x, gated=True, needs_grad=True)) == refused
-    assert fla_mod.fla_refuses(x, gated=False, needs_grad=True) is None  # LION-LIT: no gate, no refusal
-    assert fla_mod.fla_refuses(x, gated=True, needs_grad=False) is None  # inference: the forward is fine
-    assert fla_mod.fla_refuses(torch.zeros(1), gated=True, needs_grad=True) is None  # CPU
+    assert bool(fla_mod.fla_backward_refused(x)) == refused
+    assert fla_mod.fla_backward_refused(torch.zeros(1)) is None  # CPU
 
 
-def test_refused_call_warns_once_and_runs_the_pytorch_form(naive_fla, monkeypatch):
-    fake = fake_cuda(monkeypatch, (9, 0), "3.5.0")
-    real = fla_mod.fla_refuses
+def test_refused_backward_stays_on_fla_with_the_pytorch_forms_gradients(naive_fla, monkeypatch):
+    """Where fla's gated backward is refused, LION-D/S still train on fla: the gradients of
+    ``lion_attention`` (normalised, padded) are the PyTorch chunk form's, computed by forward calls of the
+    kernel alone; LION-LIT and inference keep fla's own path."""
+    L = 21
+    inputs = make_inputs(L, "token", dtype=torch.float32, seed=4)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[1, -5:] = True
+    fn = lambda *x: lion_attention(*x, form="chunk", key_padding_mask=mask, chunk_size=8)  # noqa: E731
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    expected = grads(fn, inputs, weight)  # the PyTorch chunk form: fla not available yet
     monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
-    monkeypatch.setattr(attention_mod, "fla_refuses", lambda x, gated, needs_grad: real(fake, gated, needs_grad))
-    fla_mod.warn_once.cache_clear()
-    q, k, v, f, b = [x.float().requires_grad_() for x in make_inputs(20, "token")]
-    expected = lion_attention(*[x.detach() for x in (q, k, v, f, b)], form="chunk")
-    naive_fla.clear()  # the no-grad call above ran on fla: the forward alone is not refused
-    with pytest.warns(UserWarning, match="fla issue #640"):
-        y = lion_attention(q, k, v, f, b, form="chunk")
-    assert not naive_fla and torch.allclose(y, expected, atol=1e-6)
-    y.sum().backward()
-    assert torch.isfinite(f.grad).all()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        lion_attention(q, k, v, f, b, form="chunk")  # warned once, not per call
-    lion_attention(q, k, v, None, None, form="chunk")  # LION-LIT trains on fla
-    assert len(naive_fla) == 2
+    monkeypatch.setattr(fla_mod, "fla_backward_refused", lambda x: "refused here")
+    for name, g, e in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight), expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max(), name
+    assert len(naive_fla) == 2 + 6  # both directions forward, then three forward calls each for the gradients
+    naive_fla.clear()
+    with torch.no_grad():
+        fn(*inputs)
+    grads(fn, inputs[:3] + [None, None], torch.ones(B, H, L, DV, dtype=torch.float64))
+    assert len(naive_fla) == 2 + 2  # inference and LION-LIT: fla's own calls (the twin's autograd here)
 
 
 # ---- fla's real kernels on CPU, under Triton's interpreter ----
@@ -332,6 +342,20 @@ def real_fla(monkeypatch, one_thread):
 def test_real_fla_kernels_equal_the_reference_with_gradients(real_fla, L, gates, causal):
     """fla's kernels in float32 through ``lion_attention``: both directions, each gate kind, one row
     padded on the left and one on the right, values and gradients against the float64 definition."""
+    assert_real_kernels_match_reference(real_fla, L, gates, causal)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("gates", ["head", "token"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_real_fla_forward_kernel_gives_the_gated_gradients(real_fla, monkeypatch, gates, causal):
+    """The backward made of fla's forward kernel (``_GLAFromForwardKernels``, what LION-D/S train with where
+    fla's own gated backward is refused) against the float64 definition, across several chunks of 64."""
+    monkeypatch.setattr(fla_mod, "fla_backward_refused", lambda x: "refused here")
+    assert_real_kernels_match_reference(real_fla, 150, gates, causal, calls=1 + 3)
+
+
+def assert_real_kernels_match_reference(real_fla, L, gates, causal, calls=1):
     inputs = make_inputs(L, gates, dtype=torch.float32, seed=L)
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[0, :L // 4] = True
@@ -343,7 +367,10 @@ def test_real_fla_kernels_equal_the_reference_with_gradients(real_fla, L, gates,
     assert real_fla == [torch.float32] * (1 if causal else 2)
     assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5
     weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), grads(fn, inputs, weight),
+    real_fla.clear()
+    gr = grads(fn, inputs, weight)
+    assert len(real_fla) == (1 if causal else 2) * calls
+    for name, g, rg in zip("q k v log_a_fwd log_a_bwd".split(), gr,
                            grads(ref_fn, [x.double() if x is not None else None for x in inputs], weight)):
         if rg is None or (causal and name == "log_a_bwd"):
             continue

@@ -7,7 +7,7 @@ from torch import Tensor
 from .chunk import chunk_attention
 from .float32 import float32_math
 from .gates import LOG_GATE_MIN
-from .fla import fla_attention, fla_available, fla_refuses, warn_once
+from .fla import fla_attention, fla_available
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
 
@@ -53,9 +53,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             ``M_ij = b_i...b_{j-1}`` for ``i < j`` (0 when ``causal``; ``log_a_bwd`` is then ignored).
         form: ``"parallel"`` (L x L matrix), ``"chunk"`` (chunkwise state passing) or ``"recurrent"``
             (two RNN scans); all three compute the same function. On CUDA, ``"chunk"`` runs
-            flash-linear-attention's Triton kernels when they are installed (``pip install fla-core``)
-            and accept the call (else, with a warning, the PyTorch form); ``LION_FLA=0`` in the
-            environment turns that off.
+            flash-linear-attention's Triton kernels when they are installed (``pip install fla-core``;
+            ``ops/fla.py``); ``LION_FLA=0`` in the environment turns that off.
         normalize: divide each row by ``sum_j A_ij + eps``.
         key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
         chunk_size: tokens per chunk of the chunk form.
@@ -92,12 +91,6 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
     use_fla = form == "chunk" and fla_available(v)
-    if use_fla:
-        gated = log_a_fwd is not None or (log_a_bwd is not None and not causal)
-        refusal = fla_refuses(v, gated, needs_grad)
-        if refusal:
-            warn_once(refusal)
-            use_fla = False
     # bfloat16 products only where they pay and nothing is trained through them
     low = (matmul_dtype == torch.bfloat16 and form == "chunk" and not use_fla and not needs_grad
            and dtype == torch.float32)

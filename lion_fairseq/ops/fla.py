@@ -5,8 +5,9 @@
 ``fla/ops/simple_gla/naive.py`` lines 61-94).
 
 fla is optional (``pip install fla-core``, the ``fla`` extra); ``fla_available`` says whether it can run
-on a tensor, ``fla_refuses`` whether this fla/Triton/GPU would refuse the call, and ``LION_FLA=0`` turns it
-off (the PyTorch chunk form runs instead).
+on a tensor, ``fla_backward_refused`` whether fla's own gated backward is refused on this GPU/Triton (the
+gradients then come from fla's forward kernel), and ``LION_FLA=0`` turns it off (the PyTorch chunk form
+runs instead).
 
 Inputs reach fla in float32 whatever their dtype: fla returns its outputs, and stores the states between
 chunks, in the input dtype, and LION's numerator and row sum grow with L (LION-LIT's pass fp16's 65504
@@ -56,36 +57,75 @@ def _version(text: str) -> Tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
-def fla_refuses(x: Tensor, gated: bool, needs_grad: bool) -> Optional[str]:
-    """Why fla would refuse this call, or None. fla 0.6 raises in the *backward* of a gated call
-    (per-token or per-head decay, i.e. LION-D and LION-S) on Hopper GPUs with 3.4 <= Triton < 3.7.1,
-    whose results there are wrong (fla issue #640; fla/ops/common/chunk_o.py, chunk_bwd_dqkwg; tilelang
-    does not serve simple_gla). By then the forward has run: it must be known before."""
-    if not (gated and needs_grad and x.is_cuda):
+def fla_backward_refused(x: Tensor) -> Optional[str]:
+    """Why fla's own backward of a *gated* call (per-token or per-head decay: LION-D and LION-S) cannot run
+    on ``x``'s device, or None. fla 0.6 raises there on Hopper GPUs with 3.4 <= Triton < 3.7.1, whose
+    results it computes wrongly (fla issue #640; fla/ops/common/chunk_o.py, chunk_bwd_dqkwg; tilelang does
+    not serve simple_gla). fla's forward is right there (measured on an H200 with Triton 3.6.0), so the
+    gradients are then computed by fla's forward kernel (``_GLAFromForwardKernels``)."""
+    if not x.is_cuda:
         return None
     import triton
 
     major, _ = torch.cuda.get_device_capability(x.device)
     if major == 9 and (3, 4) <= _version(triton.__version__) < (3, 7, 1):
-        return (f"flash-linear-attention's gated backward is wrong on Hopper GPUs with Triton "
-                f"{triton.__version__} (fla issue #640; it raises): LION-D/S train with the PyTorch chunk form "
-                "instead. Install Triton >= 3.7.1 (with a torch build that accepts it) to train on fla's kernels")
+        return (f"flash-linear-attention's gated backward is wrong on Hopper GPUs with Triton {triton.__version__} "
+                "(fla issue #640)")
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def warn_once(message: str) -> None:
-    warnings.warn(message)
+def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]) -> Tensor:
+    kernel = _load()
+    if kernel is None:
+        raise RuntimeError("flash-linear-attention's chunk_simple_gla does not import: pip install fla-core")
+    return kernel(q, k, v, g=g, scale=1.0)[0]
+
+
+def _reversed_gates(g: Tensor) -> Tensor:
+    """The gates of the same mask read backwards: on sequences flipped along L, ``M_ij`` (i >= j) is
+    ``exp(g'_{i'+1} + ... + g'_{j'})`` with ``g'_p = g_{L-p}`` (``g'_0`` meets no pair: zero)."""
+    return F.pad(g.flip(1)[:, :-1], (0, 0, 1, 0))
+
+
+class _GLAFromForwardKernels(torch.autograd.Function):
+    """``_gla`` whose backward is three more calls of fla's *forward* kernel, for where fla's own gated
+    backward is refused (``fla_backward_refused``). With ``A_ij = M_ij (q_i . k_j)(do_i . v_j)``, i >= j:
+
+    - ``dq_i = sum_{j <= i} M_ij (do_i . v_j) k_j``: the same causal attention of (do, v, k);
+    - ``dk_j = sum_{i >= j} M_ij (do_i . v_j) q_i`` and ``dv_j = sum_{i >= j} M_ij (q_i . k_j) do_i``: causal
+      attentions of (v, do, q) and (k, q, do) on the sequences flipped, with ``_reversed_gates``;
+    - ``dg_t = sum_{i >= t > j} A_ij = sum_{i >= t} q_i . dq_i - sum_{j >= t} k_j . dk_j``, since
+      ``q_i . dq_i`` sums row i of A and ``k_j . dk_j`` column j: a reversed cumulative sum, in float64."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> Tensor:
+        ctx.save_for_backward(q, k, v, g)
+        return _kernel(q, k, v, g)
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, g = ctx.saved_tensors
+        do = do.to(v.dtype).contiguous()
+        rg = _reversed_gates(g)
+        dq = _kernel(do, v, k, g)
+        q_r, do_r = q.flip(1), do.flip(1)
+        dk = _kernel(v.flip(1), do_r, q_r, rg).flip(1)
+        dv = _kernel(k.flip(1), q_r, do_r, rg).flip(1)
+        rows = (q * dq).sum(-1, dtype=torch.float64) - (k * dk).sum(-1, dtype=torch.float64)
+        dg = rows.flip(1).cumsum(1).flip(1)
+        dg[:, 0] = 0  # g_0 meets no pair: the sum above is zero there up to round-off
+        return dq, dk, dv, dg.to(g.dtype)
 
 
 def _gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]) -> Tensor:
     """fla's ``o_i = sum_{j <= i} exp(g_{j+1} + ... + g_i) (q_i . k_j) v_j`` on fla's layout: q, k
     ``(B, L, H, Dk)``, v ``(B, L, H, Dv)`` contiguous, one dtype; g ``(B, L, H)`` float32 or None (no decay).
-    Returns ``(B, L, H, Dv)`` in v's dtype."""
-    kernel = _load()
-    if kernel is None:
-        raise RuntimeError("flash-linear-attention's chunk_simple_gla does not import: pip install fla-core")
-    return kernel(q, k, v, g=g, scale=1.0)[0]
+    Returns ``(B, L, H, Dv)`` in v's dtype. Gated calls that need gradients where fla's own backward is
+    refused take them from fla's forward kernel (``_GLAFromForwardKernels``)."""
+    if (g is not None and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g))
+            and fla_backward_refused(q)):
+        return _GLAFromForwardKernels.apply(q, k, v, g)
+    return _kernel(q, k, v, g)
 
 
 def _to_fla_layout(x: Tensor) -> Tensor:
