@@ -64,7 +64,7 @@ def test_forms_equal_reference_with_gradients(L, gates, causal, normalize):
 
 
 @pytest.mark.parametrize("steep", [False, True])
-@pytest.mark.parametrize("block_tokens", [C, 2 * C])
+@pytest.mark.parametrize("block_tokens", [C, 2 * C, 1 << 30])  # 1 << 30: one block for every head (as on a GPU)
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunk_form_across_blocks_and_steep_chunks(monkeypatch, steep, block_tokens, causal):
     """Several blocks of chunks (states carried between blocks, both ways), and chunks whose decay is too

@@ -22,9 +22,12 @@ from torch import Tensor
 
 from .workspace import workspace
 
-# Tokens per block of chunks: the block's C x C matrices (4 * BLOCK_TOKENS * C bytes each) stay in the
-# CPU's cache between the ops that touch them.
+# Tokens per block of chunks. On a CPU, the block's C x C matrices (4 * BLOCK_TOKENS * C bytes each) stay in
+# its cache between the ops that touch them. On a GPU each op of a block is a kernel launch, and blocks of
+# 4096 tokens left the form launch-bound (an H200 took 88-175 ms for a forward of 32768 tokens x 12 heads,
+# about 1000 launches), so a block there is as large as its C x C temporaries allow (64 MiB each at C = 64).
 BLOCK_TOKENS = 4096
+BLOCK_TOKENS_GPU = 1 << 18
 
 
 class Decay(NamedTuple):
@@ -201,8 +204,8 @@ class _Grid(NamedTuple):
 
 
 def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], G: int, N: int, C: int, bidirectional: bool,
-          dtype: torch.dtype) -> _Grid:
-    per = max(1, BLOCK_TOKENS // C)
+          dtype: torch.dtype, device: torch.device) -> _Grid:
+    per = max(1, (BLOCK_TOKENS if device.type == "cpu" else BLOCK_TOKENS_GPU) // C)
     fwd, bwd = make_decay(log_f, C, dtype), make_decay(log_b, C, dtype) if bidirectional else None
     return _Grid(fwd, bwd, bidirectional, bidirectional and fwd is None and bwd is None, G, N,
                  [slice(i, min(i + per, G * N)) for i in range(0, G * N, per)])
@@ -247,7 +250,7 @@ class _ChunkAttention(torch.autograd.Function):
         M, C, Dk = q.shape
         G = M // N
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # outputs, states, decays, normalisers
-        grid = _grid(log_f, log_b, G, N, C, bidirectional, acc)
+        grid = _grid(log_f, log_b, G, N, C, bidirectional, acc, q.device)
         train = any(ctx.needs_input_grad[:5])
         if train and q.dtype != acc:
             raise ValueError(f"the chunk form trains in float32; got {q.dtype} inputs that need gradients")
@@ -299,7 +302,7 @@ class _ChunkAttention(torch.autograd.Function):
         M, C, Dk = q.shape
         N = ctx.N
         G = M // N
-        grid = _grid(log_f, log_b, G, N, C, ctx.bidirectional, q.dtype)
+        grid = _grid(log_f, log_b, G, N, C, ctx.bidirectional, q.dtype, q.device)
         fwd, bwd = grid.fwd, grid.bwd
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         inv = 1.0 / (den + eps) if normalize else None
