@@ -417,6 +417,9 @@ TOL = {torch.float32: (3e-3, 3e-3), torch.bfloat16: (1e-2, 2e-2)}  # (values, gr
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 1000, 4096])
 def test_fla_kernels_match_pytorch_chunk_form(monkeypatch, dtype, causal, L):
+    """Values normalised; gradients of the unnormalised product, what fla computes: the row sum's division
+    is the same code on both sides, and its q, k gradients at L = 1 are eps-sized differences of terms near
+    1, which TF32 rounds 200x larger (measured on an H200, docs/gpu_h200.md)."""
     g = torch.Generator(device="cuda").manual_seed(L)
     D = 64
     q = (torch.rand(2, 4, L, D, device="cuda", generator=g) / D ** 0.5).to(dtype)
@@ -427,11 +430,12 @@ def test_fla_kernels_match_pytorch_chunk_form(monkeypatch, dtype, causal, L):
     weight = torch.randn(2, 4, L, D, device="cuda", generator=g, dtype=torch.float64)
     inputs = [q, k, v, f, b]
     fn = lambda *x: lion_attention(*x, form="chunk", causal=causal)  # noqa: E731
+    product = lambda *x: lion_attention(*x, form="chunk", causal=causal, normalize=False)  # noqa: E731
     monkeypatch.setenv("LION_FLA", "1")
     assert fla_available(q)
-    y, gr = fn(*inputs), grads(fn, inputs, weight)
+    y, gr = fn(*inputs), grads(product, inputs, weight)
     monkeypatch.setenv("LION_FLA", "0")
-    y_ref, gr_ref = fn(*inputs), grads(fn, inputs, weight)
+    y_ref, gr_ref = fn(*inputs), grads(product, inputs, weight)
     tol_y, tol_g = TOL[dtype]
     assert y.dtype == dtype and torch.isfinite(y).all()
     assert rel_rms(y, y_ref) < tol_y
