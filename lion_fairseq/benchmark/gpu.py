@@ -109,6 +109,15 @@ def rel_rms(x, ref) -> float:
     return ((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def forward_kernel_backward(x) -> Optional[str]:
+    """How LION-D/S get their gradients on fla here when it is not fla's own backward (``fla_backward_refused``
+    on x's device), else None."""
+    from lion_fairseq.ops.fla import fla_backward_refused
+
+    refusal = fla_backward_refused(x)
+    return "fla's forward kernel: " + refusal if refusal else None
+
+
 def check(L: int, dtype_name: str, causal: bool) -> Dict:
     """fla against the PyTorch chunk form, as relative RMS errors: the normalised values of a gated call (what
     the layers use), and the gradients of q, k, v and both gates of the unnormalised product (what fla
@@ -120,7 +129,6 @@ def check(L: int, dtype_name: str, causal: bool) -> Dict:
     import torch
 
     from lion_fairseq.ops import lion_attention
-    from lion_fairseq.ops.fla import fla_backward_refused
 
     dtype = getattr(torch, dtype_name)
     inputs = make_inputs(2, 4, L, 64, dtype, seed=L)
@@ -138,13 +146,11 @@ def check(L: int, dtype_name: str, causal: bool) -> Dict:
     names = ["q", "k", "v", "log_a_fwd"] + ([] if causal else ["log_a_bwd"])
     errors = {"values": rel_rms(outs[True][0], outs[False][0])}
     errors.update({f"d{n}": rel_rms(a, r) for n, a, r in zip(names, outs[True][1], outs[False][1])})
-    finite = bool(torch.isfinite(outs[True][0]).all()) and all(bool(torch.isfinite(outs[True][1][i]).all())
-                                                               for i in range(len(names)))
+    finite = all(bool(torch.isfinite(x).all()) for x in [outs[True][0]] + outs[True][1][:len(names)])
     tol = TOLERANCE[dtype_name]
     ok = finite and errors["values"] < tol["values"] and all(errors[f"d{n}"] < tol["grads"] for n in names)
-    refusal = fla_backward_refused(inputs[0])
     return {"L": L, "dtype": dtype_name, "causal": causal, "finite": finite, "ok": ok, "errors": errors,
-            "backward": "fla's" if refusal is None else "fla's forward kernel: " + refusal}
+            "backward": forward_kernel_backward(inputs[0]) or "fla's"}
 
 
 def runner(impl: str) -> Callable:
@@ -207,10 +213,8 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int) 
             x.grad = None
         run(*inputs).backward(grad_out)
 
-    from lion_fairseq.ops.fla import fla_backward_refused
-
-    refusal = fla_backward_refused(inputs[0]) if impl in ("lion-fla", "lion-fla-nonorm") else None
-    result = {"backward": "fla's forward kernel: " + refusal} if refusal else {}
+    how = forward_kernel_backward(inputs[0]) if impl in ("lion-fla", "lion-fla-nonorm") else None
+    result = {"backward": how} if how else {}
     for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
         try:
             result[f"{mode}_ms"] = cuda_time_ms(fn, warmup, iters)
