@@ -4,18 +4,21 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .backend import BACKENDS, chunk_backend
 from .chunk import chunk_attention
 from .float32 import float32_math
 from .gates import LOG_GATE_MIN
-from .fla import fla_attention, fla_available
+from .fla import fla_attention, fla_available, fla_unavailable
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
 
 FORMS = ("parallel", "chunk", "recurrent")
 
 
-def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: torch.dtype) -> Optional[Tensor]:
-    """A log-gate as ``(b, h, L)`` with b in {1, B}, h in {1, H}, or None."""
+def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: torch.dtype,
+          expand: bool = True) -> Optional[Tensor]:
+    """A log-gate as ``(b, h, L)`` with b in {1, B}, h in {1, H} (``(b, h, l)`` with l in {1, L} unless
+    ``expand``), or None."""
     if log_a is None:
         return None
     try:
@@ -27,7 +30,7 @@ def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: tor
     a = log_a.to(dtype).clamp(min=LOG_GATE_MIN)
     while a.dim() < 3:
         a = a.unsqueeze(0)
-    return a.expand(a.shape[0], a.shape[1], L)
+    return a.expand(a.shape[0], a.shape[1], L) if expand else a
 
 
 def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -43,7 +46,8 @@ def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
                    log_a_bwd: Optional[Tensor] = None, *, form: str = "parallel", causal: bool = False,
                    normalize: bool = True, key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64,
-                   eps: float = 1e-6, matmul_dtype: Optional[torch.dtype] = None) -> Tensor:
+                   eps: float = 1e-6, matmul_dtype: Optional[torch.dtype] = None,
+                   backend: Optional[str] = None) -> Tensor:
     """LION attention ``y = norm((q k^T) * M) v`` with the decay mask ``M`` of the log-gates.
 
     Args:
@@ -52,9 +56,12 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             gate per head); ``None`` means gate 1. ``M_ij = f_{j+1}...f_i`` for ``i > j``, ``M_ii = 1``,
             ``M_ij = b_i...b_{j-1}`` for ``i < j`` (0 when ``causal``; ``log_a_bwd`` is then ignored).
         form: ``"parallel"`` (L x L matrix), ``"chunk"`` (chunkwise state passing) or ``"recurrent"``
-            (two RNN scans); all three compute the same function. On CUDA, ``"chunk"`` runs
-            flash-linear-attention's Triton kernels when they are installed (``pip install fla-core``;
-            ``ops/fla.py``); ``LION_FLA=0`` in the environment turns that off.
+            (two RNN scans); all three compute the same function.
+        backend: what runs the chunk form: ``"triton"`` (LION's own fused kernel, ``ops/kernel.py``: CUDA,
+            or CPU tensors under ``TRITON_INTERPRET=1``), ``"fla"`` (flash-linear-attention's kernels,
+            ``ops/fla.py``: CUDA) or ``"torch"`` (the PyTorch chunk form). None: the environment variable
+            ``LION_BACKEND``, else fla on CUDA when it is installed (``LION_FLA=0`` turns that off) and
+            PyTorch otherwise. A backend that cannot run says why once and falls back (``ops/backend.py``).
         normalize: divide each row by ``sum_j A_ij + eps``.
         key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
         chunk_size: tokens per chunk of the chunk form.
@@ -86,11 +93,24 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
 
     if matmul_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}; got {backend!r}")
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     out_dtype = v.dtype
+    which = chunk_backend(backend, v, (q.shape[-1], v.shape[-1]), fla_available, fla_unavailable) \
+        if form == "chunk" else "torch"
+    if which == "triton":
+        from .kernel import kernel_attention
+
+        common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        f, b = (_gate(g, n, B, H, L, torch.float32, expand=False)
+                for g, n in ((log_a_fwd, "log_a_fwd"), (log_a_bwd, "log_a_bwd")))
+        y = kernel_attention(q.to(common), k.to(common), v.to(common), f, b, causal, normalize, key_padding_mask,
+                             eps, chunk_size)
+        return y.to(out_dtype)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
-    use_fla = form == "chunk" and fla_available(v)
+    use_fla = which == "fla"
     # bfloat16 products only where they pay and nothing is trained through them
     low = (matmul_dtype == torch.bfloat16 and form == "chunk" and not use_fla and not needs_grad
            and dtype == torch.float32)

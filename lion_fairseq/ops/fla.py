@@ -46,11 +46,23 @@ def _load() -> Optional[Callable]:
     return chunk_simple_gla
 
 
+def fla_unavailable(x: Tensor) -> Optional[str]:
+    """Why ``x`` cannot go through fla, or None: it must be on CUDA, in a dtype fla's kernels take, fla
+    must import, and the environment variable ``LION_FLA`` must not be ``"0"``."""
+    if os.environ.get("LION_FLA", "1") == "0":
+        return "LION_FLA=0 turns it off"
+    if not x.is_cuda:
+        return "it runs on CUDA tensors only"
+    if x.dtype not in FLA_DTYPES:
+        return f"it takes float32, bfloat16 or float16 inputs; got {x.dtype}"
+    if _load() is None:
+        return "flash-linear-attention is not installed (pip install fla-core)"
+    return None
+
+
 def fla_available(x: Tensor) -> bool:
-    """True when ``x`` can go through fla: on CUDA, in a dtype fla's kernels take, fla imports, and the
-    environment variable ``LION_FLA`` is not ``"0"``."""
-    return (os.environ.get("LION_FLA", "1") != "0" and x.is_cuda and x.dtype in FLA_DTYPES
-            and _load() is not None)
+    """True when ``x`` can go through fla (``fla_unavailable`` gives no reason against it)."""
+    return fla_unavailable(x) is None
 
 
 def _version(text: str) -> Tuple[int, ...]:

@@ -1,0 +1,681 @@
+"""LION's own fused Triton kernel: both directions, the row normaliser, any decay, key padding, forward
+and backward, reading q, k, v in their own dtype and layout.
+
+Every direction is a *walk* over chunks of ``C`` tokens in that direction's order (the backward direction
+walks right to left, reading the same tensors through reversed positions, so that it is the forward
+direction on the reversed sequence). A walk carries the direction's ``Dk x Dv`` state ``S`` and ``Dk``
+normaliser ``z`` in registers, in float32, and for each chunk adds the exact masked attention inside the
+chunk to what the queries read from the state:
+
+    frame positions p, log-gates g_p of the direction, a = cumsum(g) inside the chunk:
+    y_i += sum_{j <= i in chunk} exp(a_i - a_j) (q_i . k_j) v_j  +  exp(a_i) q_i S
+    S   <- exp(a_last) S + sum_j exp(a_last - a_j) k_j v_j^T
+
+Every exponent is a sum of log-gates, so <= 0: nothing overflows at any L. The physical forward direction
+keeps the diagonal; the backward one (gates ``log_a_bwd`` read in reverse) leaves it out. For the backward
+direction in its reversed frame, ``M_ij = b_i ... b_{j-1}`` is exactly this mask with ``g_p = log b`` at
+physical position ``L-1-p`` (no shift).
+
+Parallelism: a walk over L tokens is sequential, so the sequence is cut into *segments* of chunks. One
+small pass sums each segment's contribution to the state (``_segment_sums``), a matrix of decays turns
+them into the state entering each segment (``_entering``, in PyTorch: at most a few hundred segments),
+and then every segment walks on its own: ``B*H*segments`` programs whatever L is.
+
+The two directions meet in the normaliser, ``y = (n_fwd + n_bwd) / (d_fwd + d_bwd + eps)``: the first walk
+leaves ``n/(d+eps)`` in y (in y's dtype: a weighted mean of v, so it needs no more range than y) and
+``d`` in a float32 row buffer, the second reads them back and writes the result. Memory beyond the
+outputs: the row sums ``(B, H, L)`` and the segments' states.
+
+Backward: with ``do = dy/(d+eps)``, ``dden = -(dy . y)/(d+eps)`` and ``dA_ij = do_i . v_j + dden_i``,
+``dq_i = sum_j M_ij dA_ij k_j`` reads the forward state from the query's side, while ``dk_j``, ``dv_j``
+read a state ``G = sum_i q_i do_i^T`` from the other side. So each walk carries the state of the direction
+it walks along (its dq, and its in-chunk dq, dk, dv) and the state ``G`` of the direction it walks against
+(that direction's dk, dv from other chunks), whose mask in the walk's frame has the gates of the
+neighbouring position (``log_a_bwd[t-1]`` walking right, ``log_a_fwd[t+1]`` walking left).
+
+Gate gradients: ``d loss / d log g_t = sum_{j < t <= i} P_ij`` with ``P_ij = M_ij (q_i . k_j) dA_ij``.
+Per-token gates take it as a suffix sum of (row sum - column sum) of P, as the PyTorch chunk form does.
+A per-head gate (LION-D: one gate broadcast over L) is the sum of that over L, where the rows and columns
+cancel to a few parts in 1e4 at L = 8192; it is computed directly instead, as ``sum_{i > j} (i - j) P_ij``,
+row by row: inside a chunk from P, and from earlier chunks through a second state
+``S' = sum_j (distance to the chunk's end) * decay * k_j v_j^T`` that the walk carries beside S.
+
+Products: float32 inputs multiply in float32 (TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows
+it); 16-bit inputs multiply in their dtype on tensor cores with float32 accumulation, except that float16
+products that read a state (whose entries grow with L past float16's range) run in float32. Under Triton's
+CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products run in float32."""
+import functools
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_HEAD_DIM = 128
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _positions(c, L, C: tl.constexpr, REVERSE: tl.constexpr):
+    """Frame positions p of chunk c, their physical positions t, and whether those exist. Both frames cut
+    the sequence at the same multiples of C (the reversed one starts with the last chunk's missing
+    tokens), so that a pair of tokens shares a chunk in one walk exactly when it does in the other."""
+    p = c * C + tl.arange(0, C)
+    if REVERSE:
+        t = tl.cdiv(L, C) * C - 1 - p
+    else:
+        t = p
+    return p, (t < L) & (t >= 0), t
+
+
+@triton.jit
+def _before(t, valid, L, REVERSE: tl.constexpr):
+    """The physical position of the frame's previous position, and whether it exists."""
+    if REVERSE:
+        tp = t + 1
+        vp = valid & (tp < L)
+    else:
+        tp = t - 1
+        vp = valid & (tp >= 0)
+    return tp, vp
+
+
+@triton.jit
+def _rows(ptr, t, valid, stride_l, D, BD: tl.constexpr):
+    d = tl.arange(0, BD)
+    return tl.load(ptr + t[:, None] * stride_l + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, x, t, valid, stride_l, D, BD: tl.constexpr):
+    d = tl.arange(0, BD)
+    tl.store(ptr + t[:, None] * stride_l + d[None, :], x.to(ptr.dtype.element_ty),
+             mask=valid[:, None] & (d[None, :] < D))
+
+
+@triton.jit
+def _gates(ptr, t, valid, stride_l, HAS: tl.constexpr, C: tl.constexpr):
+    if HAS:
+        g = tl.load(ptr + t * stride_l, mask=valid, other=0.0).to(tl.float32)
+    else:
+        g = tl.zeros((C,), tl.float32)
+    return g
+
+
+@triton.jit
+def _keys(pad, t, valid, stride_l, HAS_PAD: tl.constexpr):
+    """Positions whose key counts: present and not padding."""
+    if HAS_PAD:
+        keep = valid & (tl.load(pad + t * stride_l, mask=valid, other=1) == 0)
+    else:
+        keep = valid
+    return keep
+
+
+@triton.jit
+def _grad_rows(dy_ptr, y_ptr, den_ptr, t, valid, sdy_l, sy_l, Dv, eps, BV: tl.constexpr, C: tl.constexpr,
+               NORMALIZE: tl.constexpr):
+    """The gradients w.r.t. the unnormalised output (do) and the row sum (dden) of a chunk's rows."""
+    dy = _rows(dy_ptr, t, valid, sdy_l, Dv, BV).to(tl.float32)
+    if NORMALIZE:
+        inv = 1.0 / (tl.load(den_ptr + t, mask=valid, other=0.0) + eps)
+        y = _rows(y_ptr, t, valid, sy_l, Dv, BV).to(tl.float32)
+        do = dy * inv[:, None]
+        dden = -tl.sum(dy * y, 1) * inv
+    else:
+        do = dy
+        dden = tl.zeros((C,), tl.float32)
+    return do, dden
+
+
+@triton.jit
+def _mm(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _decays(g):
+    """A chunk's cumulative log-gates ``a`` (float64, so that ``a_i - a_j`` stays exact where it is small
+    beside a: in float32 a chunk of 64 strong gates loses 1e-5 there), and its decays in float32: from its
+    start to i ``exp(a_i)``, from j to its end ``exp(a_last - a_j)``, and across it ``exp(a_last)``."""
+    a = tl.cumsum(g.to(tl.float64), 0)
+    last = tl.sum(g.to(tl.float64), 0)
+    return a, tl.exp(a.to(tl.float32)), tl.exp((last - a).to(tl.float32)), tl.exp(last.to(tl.float32))
+
+
+@triton.jit
+def _in_chunk_decay(a, C: tl.constexpr, STRICT: tl.constexpr, HAS_GATE: tl.constexpr):
+    """``W_ij = exp(a_i - a_j)`` for i >= j (i > j when STRICT), else 0; a float64."""
+    i = tl.arange(0, C)[:, None]
+    j = tl.arange(0, C)[None, :]
+    if STRICT:
+        lower = i > j
+    else:
+        lower = i >= j
+    if HAS_GATE:
+        W = tl.exp(tl.where(lower, (a[:, None] - a[None, :]).to(tl.float32), float("-inf")))
+    else:
+        W = tl.where(lower, 1.0, 0.0)
+    return W
+
+
+@triton.jit
+def _load_state(ptr, z_ptr, idx, BK: tl.constexpr, BV: tl.constexpr, HAS: tl.constexpr):
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BV)
+    if HAS:
+        S = tl.load(ptr + idx * BK * BV + kk[:, None] * BV + vv[None, :])
+        z = tl.load(z_ptr + idx * BK + kk)
+    else:
+        S = tl.zeros((BK, BV), tl.float32)
+        z = tl.zeros((BK,), tl.float32)
+    return S, z
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _segment_sums(X, YV, DY, Y, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
+                  sx_b, sx_h, sx_l, syv_b, syv_h, syv_l, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l,
+                  sg_b, sg_h, sg_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                  GRAD: tl.constexpr, HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, MOMENTS: tl.constexpr,
+                  NORMALIZE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """One segment's own contribution to a state at its end, in the walk's frame, and the sum of its
+    log-gates. ``GRAD=False``: ``sum_j decay_j k_j v_j^T`` (keys X = k, YV = v, the direction's own gates).
+    ``GRAD=True``: ``sum_i decay_i q_i do_i^T`` (X = q; do from DY, Y, DEN; the gates of the previous
+    position). ``MOMENTS``: also the distance-weighted sums of a per-head gate's gradient."""
+    bh = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    Xp = X + b * sx_b + h * sx_h
+    Gp = G + b * sg_b + h * sg_h
+    S = tl.zeros((BK, BV), tl.float32)
+    z = tl.zeros((BK,), tl.float32)
+    S1 = tl.zeros((BK, BV), tl.float32)
+    z1 = tl.zeros((BK,), tl.float32)
+    logd = tl.zeros((C,), tl.float32)
+    dist = (C - 1 - tl.arange(0, C)).to(tl.float32)
+    for i in range(seg_chunks):
+        p, valid, t = _positions(seg * seg_chunks + i, L, C, REVERSE)
+        if GRAD:
+            tp, vp = _before(t, valid, L, REVERSE)
+            g = _gates(Gp, tp, vp, sg_l, HAS_GATE, C)
+            x = _rows(Xp, t, valid, sx_l, Dk, BK).to(tl.float32)
+            y, w = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
+                              sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
+        else:
+            g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
+            keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
+            x = _rows(Xp, t, keep, sx_l, Dk, BK).to(tl.float32)
+            y = _rows(YV + b * syv_b + h * syv_h, t, valid, syv_l, Dv, BV)
+            w = tl.full((C,), 1.0, tl.float32)  # the normaliser's column of ones (x is 0 at padding)
+        a, read, own, decay = _decays(g)
+        xs = x * own[:, None]
+        if MOMENTS:
+            xd = xs * dist[:, None]
+            S1 = decay * (S1 + C * S) + _mm(tl.trans(xd), y, DT, PREC)
+            z1 = decay * (z1 + C * z) + tl.sum(xd * w[:, None], 0)
+        S = decay * S + _mm(tl.trans(xs), y, DT, PREC)
+        z = decay * z + tl.sum(xs * w[:, None], 0)
+        logd += g
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BV)
+    idx = bh * tl.num_programs(1) + seg
+    tl.store(U + idx * BK * BV + kk[:, None] * BV + vv[None, :], S)
+    tl.store(UZ + idx * BK + kk, z)
+    if MOMENTS:
+        tl.store(U1 + idx * BK * BV + kk[:, None] * BV + vv[None, :], S1)
+        tl.store(UZ1 + idx * BK + kk, z1)
+    tl.store(LOGD + idx, tl.sum(logd, 0))
+
+
+@triton.jit
+def _forward_walk(Q, K, V, G, PAD, Y, DEN, S0, Z0,
+                  sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sy_b, sy_h, sy_l,
+                  sg_b, sg_h, sg_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                  STRICT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, HAS_STATE: tl.constexpr,
+                  FIRST: tl.constexpr, LAST: tl.constexpr, NORMALIZE: tl.constexpr,
+                  DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
+    """One direction over one segment: in-chunk attention plus what the queries read from the state.
+    ``FIRST``: the first direction, its result left in Y (``n/(d+eps)``, or n) and DEN (d); otherwise that
+    is read back and added; ``LAST``: the final output and row sums are written."""
+    bh = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    Qp = Q + b * sq_b + h * sq_h
+    Kp = K + b * sk_b + h * sk_h
+    Vp = V + b * sv_b + h * sv_h
+    Yp = Y + b * sy_b + h * sy_h
+    Gp = G + b * sg_b + h * sg_h
+    DENp = DEN + bh * L
+    S, z = _load_state(S0, Z0, bh * tl.num_programs(1) + seg, BK, BV, HAS_STATE)
+    for i in range(seg_chunks):
+        p, valid, t = _positions(seg * seg_chunks + i, L, C, REVERSE)
+        keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
+        q = _rows(Qp, t, valid, sq_l, Dk, BK)
+        k = _rows(Kp, t, keep, sk_l, Dk, BK)
+        v = _rows(Vp, t, valid, sv_l, Dv, BV)
+        g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
+        a, read, own, decay = _decays(g)
+        A = _mm(q, tl.trans(k), DT, PREC) * _in_chunk_decay(a, C, STRICT, HAS_GATE)
+        num = _mm(A, v, DT, PREC) + read[:, None] * _mm(q, S, SDT, PREC)
+        den = tl.sum(A, 1) + read * tl.sum(q.to(tl.float32) * z[None, :], 1)
+        ks = k.to(tl.float32) * own[:, None]
+        S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
+        z = decay * z + tl.sum(ks, 0)
+        if not FIRST:
+            before = _rows(Yp, t, valid, sy_l, Dv, BV).to(tl.float32)
+            if NORMALIZE:
+                den_before = tl.load(DENp + t, mask=valid, other=0.0)
+                num += before * (den_before + eps)[:, None]
+                den += den_before
+            else:
+                num += before
+        if NORMALIZE:
+            _store_rows(Yp, num / (den + eps)[:, None], t, valid, sy_l, Dv, BV)
+            tl.store(DENp + t, den, mask=valid)
+        else:
+            _store_rows(Yp, num, t, valid, sy_l, Dv, BV)
+
+
+@triton.jit
+def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, DQ, DK, DV, RCA, RCB, MOM,
+                   sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l,
+                   sdq_b, sdq_h, sdq_l, sdk_b, sdk_h, sdk_l, sdv_b, sdv_h, sdv_l,
+                   sga_b, sga_h, sga_l, sgb_b, sgb_h, sgb_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                   STRICT: tl.constexpr, ALONG: tl.constexpr, AGAINST: tl.constexpr, GATE_A: tl.constexpr,
+                   GATE_B: tl.constexpr, HAS_PAD: tl.constexpr, HAS_STATE: tl.constexpr, FIRST: tl.constexpr,
+                   NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr, DCUM_B: tl.constexpr, MOMENTS: tl.constexpr,
+                   DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
+    """Gradients over one segment: the direction walked ``ALONG`` (gates GA: its dq from the state S, and
+    its in-chunk dq, dk, dv) and the one walked ``AGAINST`` (gates GB read at the previous position: its
+    dk, dv from the state G of earlier queries). ``FIRST``: the first walk, else its results are added to
+    what is in DQ, DK, DV. RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
+    per-head gate's gradient of the segment (along direction)."""
+    bh = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    Qp = Q + b * sq_b + h * sq_h
+    Kp = K + b * sk_b + h * sk_h
+    Vp = V + b * sv_b + h * sv_h
+    DQp = DQ + b * sdq_b + h * sdq_h
+    DKp = DK + b * sdk_b + h * sdk_h
+    DVp = DV + b * sdv_b + h * sdv_h
+    idx = bh * tl.num_programs(1) + seg
+    S, z = _load_state(S0, Z0, idx, BK, BV, HAS_STATE and ALONG)
+    S1, z1 = _load_state(S10, Z10, idx, BK, BV, HAS_STATE and MOMENTS)
+    Gs, gz = _load_state(G0, GZ0, idx, BK, BV, HAS_STATE and AGAINST)
+    ii = tl.arange(0, C)[:, None]
+    jj = tl.arange(0, C)[None, :]
+    pos = tl.arange(0, C).to(tl.float32)
+    mom = tl.zeros((C,), tl.float32)
+    for i in range(seg_chunks):
+        p, valid, t = _positions(seg * seg_chunks + i, L, C, REVERSE)
+        keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
+        q = _rows(Qp, t, valid, sq_l, Dk, BK)
+        k = _rows(Kp, t, keep, sk_l, Dk, BK)
+        v = _rows(Vp, t, valid, sv_l, Dv, BV)
+        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
+                              sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
+        if FIRST:
+            dq = tl.zeros((C, BK), tl.float32)
+            dk = tl.zeros((C, BK), tl.float32)
+            dv = tl.zeros((C, BV), tl.float32)
+        else:
+            dq = _rows(DQp, t, valid, sdq_l, Dk, BK).to(tl.float32)
+            dk = _rows(DKp, t, valid, sdk_l, Dk, BK).to(tl.float32)
+            dv = _rows(DVp, t, valid, sdv_l, Dv, BV).to(tl.float32)
+        qf = q.to(tl.float32)
+        if ALONG:
+            g = _gates(GA + b * sga_b + h * sga_h, t, valid, sga_l, GATE_A, C)
+            a, read, own, decay = _decays(g)
+            W = _in_chunk_decay(a, C, STRICT, GATE_A)
+            A = _mm(q, tl.trans(k), DT, PREC) * W
+            dA = _mm(do, tl.trans(v), DT, PREC) + dden[:, None]
+            dAW = dA * W
+            dq += _mm(dAW, k, DT, PREC)
+            dk += _mm(tl.trans(dAW), q, DT, PREC)
+            dv += _mm(tl.trans(A), do, DT, PREC)
+            dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
+            dq += dq_in
+            if DCUM_A or MOMENTS:
+                P = tl.where(ii > jj, A * dA, 0.0)  # the diagonal crosses no gate
+                gain = tl.sum(qf * dq_in, 1)  # P summed over the keys of earlier chunks
+                if DCUM_A:
+                    _store_row_sums(RCA + bh * L, tl.sum(P, 1) - tl.sum(P, 0) + gain, t, valid)
+                if MOMENTS:
+                    far = read[:, None] * (_mm(do, tl.trans(S1), SDT, PREC) + dden[:, None] * z1[None, :])
+                    mom += tl.sum(P * (ii - jj).to(tl.float32), 1) + (pos + 1) * gain + tl.sum(qf * far, 1)
+            ks = k.to(tl.float32) * own[:, None]
+            if MOMENTS:
+                kd = ks * (C - 1 - pos)[:, None]
+                S1 = decay * (S1 + C * S) + _mm(tl.trans(kd), v, DT, PREC)
+                z1 = decay * (z1 + C * z) + tl.sum(kd, 0)
+            S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
+            z = decay * z + tl.sum(ks, 0)
+        if AGAINST:
+            tp, vp = _before(t, valid, L, REVERSE)
+            g2 = _gates(GB + b * sgb_b + h * sgb_h, tp, vp, sgb_l, GATE_B, C)
+            a2, read2, own2, decay2 = _decays(g2)
+            dk_in = read2[:, None] * (_mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :])
+            dk += dk_in
+            dv += read2[:, None] * _mm(k, Gs, SDT, PREC)
+            if DCUM_B:  # minus P summed over the queries of earlier chunks (zero at padded keys)
+                _store_row_sums(RCB + bh * L, -tl.sum(k.to(tl.float32) * dk_in, 1), t, valid)
+            qs = qf * own2[:, None]
+            Gs = decay2 * Gs + _mm(tl.trans(qs), do, DT, PREC)
+            gz = decay2 * gz + tl.sum(qs * dden[:, None], 0)
+        _store_rows(DQp, dq, t, valid, sdq_l, Dk, BK)
+        _store_rows(DKp, tl.where(keep[:, None], dk, 0.0), t, valid, sdk_l, Dk, BK)
+        _store_rows(DVp, dv, t, valid, sdv_l, Dv, BV)
+    if MOMENTS:
+        tl.store(MOM + idx, tl.sum(mom, 0))
+
+
+@triton.jit
+def _store_row_sums(ptr, x, t, valid):
+    tl.store(ptr + t, x, mask=valid)
+
+
+@triton.jit
+def _global_apply(Q, K, V, DY, Y, DEN, PAD, S0, Z0, G0, GZ0, DQ, DK, DV,
+                  sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l,
+                  sdq_b, sdq_h, sdq_l, sdk_b, sdk_h, sdk_l, sdv_b, sdv_h, sdv_l, sp_b, sp_l, L, H, Dk, Dv, eps,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD: tl.constexpr,
+                  HAS_PAD: tl.constexpr, NORMALIZE: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
+    """Bidirectional attention without decay (LION-LIT): every query reads the one total state.
+    ``GRAD=False``: y = q S / (q . z + eps) (or q S); ``GRAD=True``: dq from (S, z), dk and dv from the
+    total (G, gz) of the queries' side. One program per chunk."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    p, valid, t = _positions(c, L, C, False)
+    S, z = _load_state(S0, Z0, bh, BK, BV, True)
+    if GRAD:
+        Gs, gz = _load_state(G0, GZ0, bh, BK, BV, True)
+        keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
+        k = _rows(K + b * sk_b + h * sk_h, t, keep, sk_l, Dk, BK)
+        v = _rows(V + b * sv_b + h * sv_h, t, valid, sv_l, Dv, BV)
+        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
+                              sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
+        dq = _mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :]
+        dk = tl.where(keep[:, None], _mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :], 0.0)
+        dv = _mm(k, Gs, SDT, PREC)
+        _store_rows(DQ + b * sdq_b + h * sdq_h, dq, t, valid, sdq_l, Dk, BK)
+        _store_rows(DK + b * sdk_b + h * sdk_h, dk, t, valid, sdk_l, Dk, BK)
+        _store_rows(DV + b * sdv_b + h * sdv_h, dv, t, valid, sdv_l, Dv, BV)
+    else:
+        q = _rows(Q + b * sq_b + h * sq_h, t, valid, sq_l, Dk, BK)
+        num = _mm(q, S, SDT, PREC)
+        Yp = Y + b * sy_b + h * sy_h
+        if NORMALIZE:
+            den = tl.sum(q.to(tl.float32) * z[None, :], 1)
+            _store_rows(Yp, num / (den + eps)[:, None], t, valid, sy_l, Dv, BV)
+            tl.store(DEN + bh * L + t, den, mask=valid)
+        else:
+            _store_rows(Yp, num, t, valid, sy_l, Dv, BV)
+
+
+# ---------------------------------------------------------------------------------------------- launches
+
+@functools.lru_cache(maxsize=None)
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _Config:
+    """Block sizes, segments and product dtypes of one call."""
+
+    def __init__(self, q: Tensor, v: Tensor, chunk_size: int, segment_chunks: Optional[int]):
+        B, H, L, Dk = q.shape
+        self.B, self.H, self.L, self.Dk, self.Dv = B, H, L, Dk, v.shape[-1]
+        # chunks are a power of two for tl.arange, at least 16 for tl.dot, at most 64: the C x C
+        # temporaries live in registers
+        self.C = min(64, max(16, triton.next_power_of_2(chunk_size)))
+        self.BK = max(16, triton.next_power_of_2(Dk))
+        self.BV = max(16, triton.next_power_of_2(self.Dv))
+        N = triton.cdiv(L, self.C)
+        if segment_chunks is None:  # about four programs per streaming multiprocessor, whatever L is
+            segment_chunks = (triton.cdiv(N, max(1, min(N, 4 * _processors(q.device) // (B * H))))
+                              if q.is_cuda else N)
+        self.Q = max(1, segment_chunks)
+        self.nseg = triton.cdiv(N, self.Q)
+        interpreted_bf16 = INTERPRETED and q.dtype == torch.bfloat16
+        self.DT = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else (
+            tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
+        self.SDT = tl.bfloat16 if self.DT == tl.bfloat16 else tl.float32  # float16 states would overflow
+        tf32 = q.dtype != torch.float32 or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+        self.PREC = "tf32" if tf32 and not INTERPRETED else "ieee"
+        self.num_warps = 8 if max(self.BK, self.BV) > 64 else 4
+
+    def consts(self) -> dict:
+        return dict(C=self.C, BK=self.BK, BV=self.BV, PREC=self.PREC, num_warps=self.num_warps)
+
+
+def _s3(x: Optional[Tensor]) -> Tuple[int, int, int]:
+    """(b, h, l) strides of a ``(B, H, L, ...)`` tensor, 0 along any broadcast (size-1) dim."""
+    if x is None:
+        return 0, 0, 0
+    return tuple(x.stride(i) if x.shape[i] > 1 else 0 for i in range(3))
+
+
+def _pad_strides(pad: Optional[Tensor]) -> Tuple[int, int]:
+    return (pad.stride(0), pad.stride(1)) if pad is not None else (0, 0)
+
+
+def _entering(U: Tensor, UZ: Tensor, logd: Tensor, seg_tokens: int, U1: Optional[Tensor] = None,
+              UZ1: Optional[Tensor] = None) -> List[Tensor]:
+    """Segments' own sums ``(BH, n, ...)`` -> the states entering each segment:
+    ``E_s = sum_{s' < s} exp(sum of the log-decays of the segments between) U_s'``, one batched matmul
+    (exponents <= 0; cumulative sums in float64). With the moments of a per-head gate, also
+    ``E'_s = sum_{s'<s} W_ss' (U'_s' + (tokens between) U_s')``."""
+    BH, n = logd.shape
+    lam = logd.double().cumsum(1)
+    s = torch.arange(n, device=logd.device)
+    before = s[None, :] < s[:, None]
+    W = (F.pad(lam[:, :-1], (1, 0))[:, :, None] - lam[:, None, :]).masked_fill(~before, float("-inf"))
+    W = W.exp().float()
+    out = [torch.bmm(W, U.view(BH, n, -1)).view_as(U), torch.bmm(W, UZ)]
+    if U1 is not None:
+        Wd = W * ((s[:, None] - s[None, :] - 1).clamp(min=0) * seg_tokens).float()
+        out += [torch.bmm(W, U1.view(BH, n, -1)).add_(torch.bmm(Wd, U.view(BH, n, -1))).view_as(U1),
+                torch.bmm(W, UZ1).add_(torch.bmm(Wd, UZ))]
+    return out
+
+
+def _segment_states(cfg: _Config, reverse: bool, gates: Optional[Tensor], pad: Optional[Tensor], k: Tensor,
+                    v: Tensor, moments: bool = False, grad: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
+                    normalize: bool = True, eps: float = 0.0, entering: bool = True) -> List[Tensor]:
+    """States entering each segment of a walk (``entering``), or each segment's own sums, and their
+    normalisers: of the keys ``k, v`` with the direction's gates, or (``grad = (q, dy, y, den)``) of the
+    queries' gradients with the gates of the previous position; plus the moments when asked."""
+    BH, n, BK, BV = cfg.B * cfg.H, cfg.nseg, cfg.BK, cfg.BV
+    dev = k.device
+    U = torch.empty(BH, n, BK, BV, dtype=torch.float32, device=dev)
+    UZ = torch.empty(BH, n, BK, dtype=torch.float32, device=dev)
+    U1, UZ1 = (torch.empty_like(U), torch.empty_like(UZ)) if moments else (U, UZ)
+    logd = torch.empty(BH, n, dtype=torch.float32, device=dev)
+    x, yv, dy, y, den = (grad[0], v, grad[1], grad[2], grad[3]) if grad is not None else (k, v, v, v, U)
+    _segment_sums[(BH, n)](
+        x, yv, dy, y, den, gates if gates is not None else U, pad if pad is not None else U,
+        U, UZ, U1, UZ1, logd, *_s3(x), *_s3(yv), *_s3(dy), *_s3(y), *_s3(gates), *_pad_strides(pad),
+        cfg.L, cfg.H, cfg.Dk, cfg.Dv, cfg.Q, eps, REVERSE=reverse, GRAD=grad is not None,
+        HAS_GATE=gates is not None, HAS_PAD=pad is not None, MOMENTS=moments, NORMALIZE=normalize,
+        DT=cfg.DT, **cfg.consts())
+    if not entering:
+        return [U, UZ]
+    return _entering(U, UZ, logd, cfg.Q * cfg.C, *((U1, UZ1) if moments else ()))
+
+
+def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor], b: Optional[Tensor],
+             pad: Optional[Tensor], causal: bool, normalize: bool, eps: float):
+    """Returns y ``(B, H, L, Dv)`` in v's dtype, the row sums ``(B*H, L)`` float32 (or None), and the
+    total state of a bidirectional call without gates (or None)."""
+    B, H, L = cfg.B, cfg.H, cfg.L
+    y = torch.empty(B, H, L, cfg.Dv, dtype=v.dtype, device=v.device)
+    den = torch.empty(B * H, L, dtype=torch.float32, device=v.device) if normalize else y
+    common = (*_s3(q), *_s3(k), *_s3(v), *_s3(y))
+    if not causal and f is None and b is None:  # LION-LIT: one state for every query
+        S, z = (x.sum(1) for x in _segment_states(cfg, False, None, pad, k, v, entering=False))
+        _global_apply[(B * H, triton.cdiv(L, cfg.C))](
+            q, k, v, v, y, den, pad if pad is not None else y, S, z, S, z, y, y, y,
+            *common, *_s3(y), *_s3(y), *_s3(y), *_s3(y), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
+            GRAD=False, HAS_PAD=pad is not None, NORMALIZE=normalize, SDT=cfg.SDT, **cfg.consts())
+        return y, (den if normalize else None), (S, z)
+    walks = [(False, f)] if causal else [(True, b), (False, f)]
+    for n, (reverse, g) in enumerate(walks):
+        state = (_segment_states(cfg, reverse, g, pad, k, v) if cfg.nseg > 1 else [y, y])
+        _forward_walk[(B * H, cfg.nseg)](
+            q, k, v, g if g is not None else y, pad if pad is not None else y, y, den, *state,
+            *common, *_s3(g), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
+            REVERSE=reverse, STRICT=reverse, HAS_GATE=g is not None, HAS_PAD=pad is not None,
+            HAS_STATE=cfg.nseg > 1, FIRST=n == 0, LAST=n == len(walks) - 1, NORMALIZE=normalize,
+            DT=cfg.DT, SDT=cfg.SDT, **cfg.consts())
+    return y, (den if normalize else None), None
+
+
+def _per_head(g: Optional[Tensor]) -> bool:
+    return g is not None and g.shape[-1] == 1
+
+
+def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool, normalize: bool, eps: float,
+              needs: Tuple[bool, ...]):
+    B, H, L = cfg.B, cfg.H, cfg.L
+    BH = B * H
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    den = den if den is not None else dy
+    common = (*_s3(q), *_s3(k), *_s3(v), *_s3(dy), *_s3(y), *_s3(dq), *_s3(dk), *_s3(dv))
+    grad = (q, dy, y, den)
+    if total is not None:  # LION-LIT, bidirectional: the queries' total state beside the keys'
+        G, gz = (x.sum(1) for x in _segment_states(cfg, False, None, pad, k, v, grad=grad, normalize=normalize,
+                                                   eps=eps, entering=False))
+        _global_apply[(BH, triton.cdiv(L, cfg.C))](
+            q, k, v, dy, y, den, pad if pad is not None else dy, *total, G, gz, dq, dk, dv,
+            *common, *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
+            GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, SDT=cfg.SDT, **cfg.consts())
+        return dq, dk, dv, None, None
+    # walking right: the forward direction along (dq, in-chunk), the backward one against (its dk, dv);
+    # walking left: the other way round. A causal call has no backward direction.
+    walks = [(False, f, None if causal else b), (True, None if causal else b, f)]
+    grads = {}
+    for n, (reverse, along, against) in enumerate(walks):
+        has_along = not (reverse and causal)
+        g_along = along if has_along else None
+        which_along = 4 if reverse else 3  # index into needs of the along gate, and of the against gate
+        which_against = 3 if reverse else 4
+        moments = has_along and _per_head(g_along) and needs[which_along]
+        dcum_a = has_along and g_along is not None and not _per_head(g_along) and needs[which_along]
+        dcum_b = against is not None and not _per_head(against) and needs[which_against]
+        has_against = reverse or not causal
+        states = []
+        if cfg.nseg > 1:
+            s_side = (_segment_states(cfg, reverse, g_along, pad, k, v, moments=moments) if has_along
+                      else [dy, dy])
+            if not moments:
+                s_side += [dy, dy]
+            g_side = (_segment_states(cfg, reverse, against, pad, k, v, grad=grad, normalize=normalize, eps=eps)
+                      if has_against else [dy, dy])
+            states = s_side + g_side
+        else:
+            states = [dy] * 6
+        rca = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_a else dy
+        rcb = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_b else dy
+        mom = torch.empty(BH, cfg.nseg, dtype=torch.float32, device=q.device) if moments else dy
+        _backward_walk[(BH, cfg.nseg)](
+            q, k, v, dy, y, den, g_along if g_along is not None else dy, against if against is not None else dy,
+            pad if pad is not None else dy, *states, dq, dk, dv, rca, rcb, mom,
+            *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
+            REVERSE=reverse, STRICT=reverse, ALONG=has_along, AGAINST=has_against, GATE_A=g_along is not None,
+            GATE_B=against is not None, HAS_PAD=pad is not None, HAS_STATE=cfg.nseg > 1, FIRST=n == 0,
+            NORMALIZE=normalize, DCUM_A=dcum_a, DCUM_B=dcum_b, MOMENTS=moments, DT=cfg.DT, SDT=cfg.SDT,
+            **cfg.consts())
+        grads[reverse] = (rca if dcum_a else None, rcb if dcum_b else None, mom if moments else None)
+    df = _gate_grad(f, needs[3], grads[False][2], grads[False][0], grads[True][1], cfg, reverse=False)
+    db = None if causal else _gate_grad(b, needs[4], grads[True][2], grads[True][0], grads[False][1], cfg,
+                                        reverse=True)
+    return dq, dk, dv, df, db
+
+
+def _gate_grad(g: Optional[Tensor], needed: bool, mom: Optional[Tensor], rows: Optional[Tensor],
+               cols: Optional[Tensor], cfg: _Config, reverse: bool) -> Optional[Tensor]:
+    """The gradient of a gate tensor ``(b, h, l)`` from the walks' sums: a per-head gate's moments, or
+    a per-token gate's suffix sums (prefix sums for the backward direction, read in reverse) of the
+    per-position row-minus-column sums of P."""
+    if g is None or not needed:
+        return None
+    B, H, L = cfg.B, cfg.H, cfg.L
+    if _per_head(g):
+        full = mom.double().sum(1).view(B, H, 1)
+    else:
+        dcum = (rows.double() + cols.double()).view(B, H, L)
+        if reverse:  # the gate at L-1 lies on no path
+            full = dcum.cumsum(-1)
+            full[..., -1] = 0
+        else:  # the gate at 0 lies on no path
+            full = dcum.flip(-1).cumsum(-1).flip(-1)
+            full[..., 0] = 0
+    dims = [i for i in range(3) if g.shape[i] == 1 and full.shape[i] > 1]
+    return (full.sum(dims, keepdim=True) if dims else full).to(g.dtype)
+
+
+class _LionKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, f, b, pad, causal, normalize, eps, chunk_size, segment_chunks):
+        cfg = _Config(q, v, chunk_size, segment_chunks)
+        y, den, total = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps)
+        ctx.save_for_backward(q, k, v, f, b, pad, y, den, *(total or ()))
+        ctx.cfg, ctx.causal, ctx.normalize, ctx.eps = cfg, causal, normalize, eps
+        ctx.has_total = total is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, f, b, pad, y, den, *total = ctx.saved_tensors
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dq, dk, dv, df, db = _backward(ctx.cfg, q, k, v, f, b, pad, y, den, total if ctx.has_total else None,
+                                       dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad)
+        return dq, dk, dv, df, db, None, None, None, None, None, None
+
+
+def kernel_unavailable(x: Tensor, head_dims: Tuple[int, int]) -> Optional[str]:
+    """Why the kernel cannot run on ``x`` (with head sizes ``(Dk, Dv)``), or None."""
+    if not (x.is_cuda or (INTERPRETED and x.device.type == "cpu")):
+        return (f"it runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got a {x.device.type} "
+                "tensor")
+    if x.dtype not in DTYPES:
+        return f"it takes float32, bfloat16 or float16 inputs; got {x.dtype}"
+    if max(head_dims) > MAX_HEAD_DIM:
+        return f"it takes head sizes up to {MAX_HEAD_DIM}; got {head_dims}"
+    return None
+
+
+def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
+                     causal: bool, normalize: bool, key_padding_mask: Optional[Tensor], eps: float,
+                     chunk_size: int = 64, segment_chunks: Optional[int] = None) -> Tensor:
+    """LION attention (SPEC section 1) in the fused kernel. q, k ``(B, H, L, Dk)``, v ``(B, H, L, Dv)``, any
+    strides, one dtype of ``DTYPES``; log-gates float32 ``(b, h, l)`` with b in {1, B}, h in {1, H}, l in
+    {1, L} (l = 1: one gate per head) or None; ``key_padding_mask`` ``(B, L)`` bool. Returns
+    ``(B, H, L, Dv)`` in v's dtype; differentiable in q, k, v and the gates. ``chunk_size`` is rounded to a
+    power of two in [16, 64]; ``segment_chunks``: chunks per segment (default: enough segments to fill
+    the GPU)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    pad = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
+    if causal:
+        log_a_bwd = None
+    return _LionKernel.apply(q, k, v, log_a_fwd, log_a_bwd, pad, causal, normalize, eps, chunk_size,
+                             segment_chunks)

@@ -1,0 +1,278 @@
+"""LION's own Triton kernel (lion_fairseq/ops/kernel.py) against the float64 reference, values and the
+gradients of q, k, v and both gates, run on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest.py; tests/triton_interpreter.py), and against the PyTorch chunk form on CUDA where there is one.
+
+The interpreter multiplies float16 correctly and bfloat16 on its raw bits: float16 runs the kernel's own
+16-bit products, bfloat16 runs with its loads converted to float32 inside the kernel (what the kernel does
+there), and the rest runs in float32. Chunks of 16 tokens and segments of two chunks make short sequences
+cross chunk and segment borders."""
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lion_fairseq.ops.backend as backend_mod
+from lion_fairseq.modules import LionAttention
+from lion_fairseq.ops import lion_attention
+from reference import fast_reference_attention, reference_attention
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (INTERPRETED or torch.cuda.is_available()) or backend_mod._triton_missing(),
+                                reason="needs Triton: on CUDA, or on CPU under TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B, H = 2, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter():
+    if INTERPRETED:
+        import triton_interpreter
+
+        triton_interpreter.install()
+
+
+def kernel(*args, segment_chunks=None, **kw):
+    from lion_fairseq.ops.kernel import kernel_attention
+
+    q, k, v, f, b = args
+    kw = dict(dict(causal=False, normalize=True, key_padding_mask=None, eps=1e-6, chunk_size=16), **kw)
+    return kernel_attention(q, k, v, f, b, kw["causal"], kw["normalize"], kw["key_padding_mask"], kw["eps"],
+                            kw["chunk_size"], segment_chunks)
+
+
+def make_inputs(L, gates, D=32, seed=0, dtype=torch.float64):
+    """Positive q, k (as LION's feature maps give), signed v; log-gates per head ``(1, H, 1)`` or per token."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, L, D, generator=g, dtype=torch.float64) + 0.05
+    k = torch.rand(B, H, L, D, generator=g, dtype=torch.float64) + 0.05
+    v = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    shape = {"none": None, "head": (1, H, 1), "token": (B, H, L)}[gates]
+    f = b = None
+    if shape:
+        f = F.logsigmoid(torch.randn(*shape, generator=g, dtype=torch.float64) + 1)
+        b = F.logsigmoid(torch.randn(*shape, generator=g, dtype=torch.float64) + 1)
+    return [x.to(dtype).to(DEVICE) if x is not None else None for x in (q, k, v, f, b)]
+
+
+def padding(L):
+    """Row 0 padded on the right, row 1 on the left: both sides in one call."""
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    n = max(1, L // 4)
+    mask[0, L - n:] = True
+    mask[1, :n] = True
+    return mask.to(DEVICE) if L > 1 else None
+
+
+def value_and_grads(fn, inputs, weight):
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in inputs]
+    y = fn(*leaves)
+    (y.double() * weight).sum().backward()
+    return y, [x.grad if x is not None else None for x in leaves]
+
+
+def max_err(x, ref, scale):
+    return ((x.double() - ref.double()).abs().max() / scale).item()
+
+
+def check_against_reference(fn, inputs, ref_kw, tol_y, tol_g, rms=False, tol_gate=None):
+    """Values and the gradients of every tensor input of ``fn`` against ``reference_attention``.
+    A gradient's error is relative to its own largest entry, or to a hundredth of the largest
+    gradient of any input where that is larger: at L = 1 the normalised output does not depend on q and
+    k at all, its true gradients there are eps-sized, and float32 gets them as differences of terms near
+    1 (the PyTorch forms too). ``tol_gate``: the gates' tolerance (default ``tol_g``)."""
+    L, Dv = inputs[2].shape[2], inputs[2].shape[3]
+    # representable in the inputs' dtype, so that the output's gradient reaches both sides unrounded
+    weight = torch.randn(B, H, L, Dv, generator=torch.Generator().manual_seed(1)).to(inputs[2].dtype).double()
+    weight = weight.to(DEVICE)
+    ref = reference_attention if L <= 64 else fast_reference_attention
+    ref_fn = lambda *x: ref(*x, **ref_kw)  # noqa: E731
+    y_ref, g_ref = value_and_grads(ref_fn, [x.double() if x is not None else None for x in inputs], weight)
+    y, g = value_and_grads(fn, inputs, weight)
+    assert y.dtype == inputs[2].dtype and y.shape == y_ref.shape
+    err = (lambda a, r, s: ((a.double() - r).pow(2).mean().sqrt() / s).item()) if rms else max_err
+    size = (lambda r: r.pow(2).mean().sqrt()) if rms else (lambda r: r.abs().max())
+    assert err(y, y_ref, size(y_ref)) < tol_y
+    floor = 1e-2 * max(size(r) for r in g_ref if r is not None)
+    for name, a, r in zip("q k v log_a_fwd log_a_bwd".split(), g, g_ref):
+        if r is None or (ref_kw.get("causal") and name == "log_a_bwd"):
+            continue
+        assert a is not None and a.shape == inputs["q k v log_a_fwd log_a_bwd".split().index(name)].shape
+        assert torch.isfinite(a).all(), name
+        tol = tol_gate if tol_gate is not None and name.startswith("log") else tol_g
+        assert err(a, r, max(size(r), floor)) < tol, name
+
+
+@pytest.mark.parametrize("L", [1, 53, 64])
+@pytest.mark.parametrize("gates", ["none", "head", "token"])
+@pytest.mark.parametrize("causal,normalize", list(itertools.product([False, True], [True, False])))
+def test_kernel_equals_reference(L, gates, causal, normalize):
+    """Every gate kind, causal and bidirectional, normalised and not; L = 1, L not a multiple of the
+    chunk (53: four chunks in two segments, with padding on both sides), and L a multiple of it."""
+    inputs = make_inputs(L, gates, seed=L, dtype=torch.float32)
+    pad = padding(L) if L != 64 else None
+    kw = dict(causal=causal, normalize=normalize, key_padding_mask=pad)
+    check_against_reference(lambda *x: kernel(*x, segment_chunks=2, **kw), inputs, kw, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("D", [32, 64, 128, 40])
+def test_kernel_head_sizes(D):
+    """The archs' head sizes, and one that is not a power of two, in chunks of 64 (the default). The
+    loss reads every row, padded queries too: a left-padded query whose keys all lie 25 strong decays away
+    has a row sum below eps, and the per-head gate's gradient gathers a part from those rows that cancels
+    most of the rest: measured here in float32, 3e-5 (the recurrent form 9e-6, the PyTorch chunk form
+    5e-5); 1e-7 with the padded rows' outputs out of the loss, as fairseq's losses leave them."""
+    inputs = make_inputs(100, "token" if D != 64 else "head", D=D, seed=D, dtype=torch.float32)
+    kw = dict(key_padding_mask=padding(100))
+    check_against_reference(lambda *x: kernel(*x, chunk_size=64, **kw), inputs, kw, 1e-5, 1e-5, tol_gate=5e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("gates", ["head", "token"])
+def test_kernel_16bit_inputs(dtype, tol, gates):
+    """16-bit q, k, v are read as they are (no float32 copies) and the result comes back in their dtype,
+    with float32 gates; within a few roundings of the 16-bit inputs' own reference (relative RMS)."""
+    q, k, v, f, b = make_inputs(70, gates, D=64, seed=5, dtype=torch.float64)
+    inputs = [x.to(dtype) for x in (q, k, v)] + [f.float(), b.float()]
+    kw = dict(key_padding_mask=padding(70))
+    check_against_reference(lambda *x: kernel(*x, segment_chunks=2, **kw), inputs, kw, tol, 2 * tol, rms=True)
+
+
+@pytest.mark.parametrize("layout", ["fairseq", "expanded gates"])
+def test_kernel_reads_strided_inputs(layout):
+    """q, k, v as fairseq's layers hand them over, views of ``(T, B, 3*H*D)`` permuted to ``(B, H, T, D)``,
+    and gates expanded from ``(H, 1)`` (stride 0 along L): read in place, the same result."""
+    T, D = 45, 32
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(T, B, 3 * H * D, generator=g).to(DEVICE)
+    q, k, v = (t.view(T, B, H, D).permute(1, 2, 0, 3) for t in x.split(H * D, -1))
+    assert not q.is_contiguous()
+    gate = F.logsigmoid(torch.randn(H, 1, generator=g)).to(DEVICE)
+    gates = (gate, gate) if layout == "fairseq" else (gate.expand(B, H, T), gate.expand(B, H, T))
+    y = lion_attention(q, k, v, *gates, form="chunk", backend="triton", chunk_size=16)
+    ref = lion_attention(q.contiguous(), k.contiguous(), v.contiguous(), gate, gate, form="parallel")
+    assert max_err(y, ref, ref.abs().max()) < 1e-5
+
+
+def test_per_head_gate_gradient_at_long_length():
+    """LION-D's gate, one per head and the same tensor for both directions, gets its gradient as
+    ``sum_{i>j} (i - j) P_ij`` row by row, not as a sum over L of per-position sums that nearly cancel
+    (issue 29): within 1e-5 of float64 at L = 4096, for a strong and a weak decay, across segments."""
+    L = 4096
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.rand(1, H, L, 16, generator=g), torch.rand(1, H, L, 16, generator=g),
+               torch.randn(1, H, L, 16, generator=g))
+    w = torch.randn(1, H, L, 16, generator=g, dtype=torch.float64).to(DEVICE)
+    decays = torch.tensor([[[-1.0], [-0.01]]])  # (1, H, 1): strong and weak
+
+    def gate_grad(fn, dtype):
+        gate = decays.to(dtype).to(DEVICE).requires_grad_()
+        y = fn(*(x.to(dtype).to(DEVICE) for x in (q, k, v)), gate, gate)
+        (y.double() * w).sum().backward()
+        return gate.grad.double()
+
+    ref = gate_grad(lambda *x: lion_attention(*x, form="parallel"), torch.float64)
+    got = gate_grad(lambda *x: kernel(*x, chunk_size=64, segment_chunks=16), torch.float32)
+    assert ((got - ref).abs() / ref.abs()).max().item() < 1e-5
+
+
+def test_long_strong_decay_stays_finite():
+    """Gates near 0 over many chunks and segments: every exponent is <= 0, nothing overflows."""
+    q, k, v, _, _ = make_inputs(1200, "none", D=16, dtype=torch.float32)
+    gate = torch.full((B, H, 1200), -30.0, device=DEVICE, requires_grad=True)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    y = kernel(*leaves, gate, gate, chunk_size=64, segment_chunks=4)
+    y.sum().backward()
+    assert all(torch.isfinite(t).all() for t in (y, q.grad, k.grad, v.grad, gate.grad))
+    # with gates of e^-30 each query sees its own key only
+    assert max_err(y, v, v.abs().max()) < 1e-5
+
+
+def test_backend_argument_and_environment(monkeypatch):
+    """``backend=`` and ``LION_BACKEND`` choose; a wrong name is refused naming the option; on CPU the
+    default stays the PyTorch chunk form."""
+    inputs = make_inputs(40, "token", dtype=torch.float32)
+    calls = []
+    import lion_fairseq.ops.kernel as kernel_mod
+
+    real = kernel_mod.kernel_attention
+    monkeypatch.setattr(kernel_mod, "kernel_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref = lion_attention(*inputs, form="chunk", backend="torch", chunk_size=16)
+    assert not calls
+    y = lion_attention(*inputs, form="chunk", backend="triton", chunk_size=16)
+    assert calls and max_err(y, ref, ref.abs().max()) < 1e-5
+    calls.clear()
+    monkeypatch.setenv("LION_BACKEND", "triton")
+    lion_attention(*inputs, form="chunk", chunk_size=16)
+    assert calls
+    calls.clear()
+    lion_attention(*inputs, form="parallel")  # the backend is the chunk form's
+    assert not calls
+    monkeypatch.setenv("LION_BACKEND", "tritonn")
+    with pytest.raises(ValueError, match="LION_BACKEND"):
+        lion_attention(*inputs, form="chunk")
+    monkeypatch.delenv("LION_BACKEND")
+    with pytest.raises(ValueError, match="backend"):
+        lion_attention(*inputs, form="chunk", backend="cuda")
+    if not torch.cuda.is_available():
+        lion_attention(*inputs, form="chunk")
+        assert not calls
+
+
+def test_unavailable_backend_says_why_once_and_falls_back(monkeypatch):
+    """float64 is not the kernel's: one warning naming the reason, then the PyTorch chunk form's result."""
+    backend_mod._warn_once.cache_clear()
+    inputs = make_inputs(20, "head", dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = lion_attention(*inputs, form="chunk", backend="triton")
+        lion_attention(*inputs, form="chunk", backend="triton")
+    msgs = [str(w.message) for w in caught if "Triton kernel" in str(w.message)]
+    assert len(msgs) == 1 and "float64" in msgs[0]
+    ref = reference_attention(*inputs)
+    assert y.dtype == torch.float64 and max_err(y, ref, ref.abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_layer_on_the_kernel(variant, monkeypatch):
+    """A LionAttention layer (fairseq's ``T x B x C``, padding, gates from its own parameters) gives the same
+    output and parameter gradients with ``LION_BACKEND=triton`` as with the PyTorch chunk form."""
+    torch.manual_seed(0)
+    layer = LionAttention(64, 2, variant, form="chunk", chunk_size=16).to(DEVICE)
+    x = torch.randn(37, B, 64, device=DEVICE)
+    pad = padding(37)
+
+    def run(backend):
+        monkeypatch.setenv("LION_BACKEND", backend)
+        layer.zero_grad()
+        y = layer(x, key_padding_mask=pad)
+        y.pow(2).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    y_torch, g_torch = run("torch")
+    y_kernel, g_kernel = run("triton")
+    assert max_err(y_kernel, y_torch, y_torch.abs().max()) < 1e-5
+    for name, g in g_torch.items():
+        assert max_err(g_kernel[name], g, g.abs().max()) < 1e-4, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_kernel_matches_torch_chunk_form(dtype, tol, causal):
+    """The compiled kernel against the PyTorch chunk form on the GPU, relative RMS of the values and of
+    every gradient (Triton has miscompiled kernels of this kind before: fla #640)."""
+    inputs = make_inputs(3000, "token", D=64, seed=7, dtype=torch.float32)
+    inputs = [x.to(dtype) for x in inputs[:3]] + inputs[3:]
+    weight = torch.randn(B, H, 3000, 64, device=DEVICE, dtype=torch.float64)
+    y, g = value_and_grads(lambda *x: lion_attention(*x, form="chunk", causal=causal, backend="triton"), inputs,
+                           weight)
+    y_ref, g_ref = value_and_grads(lambda *x: lion_attention(*x, form="chunk", causal=causal, backend="torch"),
+                                   inputs, weight)
+    rms = lambda a, r: ((a.double() - r.double()).pow(2).mean().sqrt() / r.double().pow(2).mean().sqrt()).item()  # noqa: E731
+    assert rms(y, y_ref) < tol
+    for name, a, r in zip("q k v log_a_fwd log_a_bwd".split(), g, g_ref):
+        if r is not None:
+            assert rms(a, r) < tol, name
