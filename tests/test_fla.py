@@ -6,8 +6,6 @@ kernel has, checks the flips, shifts and gate placement of ``fla_attention`` to 
 real Triton kernels then run on CPU under Triton's interpreter (tests/triton_interpreter.py) against the
 float64 reference, values and gradients, and at L = 32768 where fp16 would overflow. On CUDA with fla
 installed, the compiled kernels are checked against the PyTorch chunk form."""
-import os
-import subprocess
 import sys
 import types
 
@@ -22,7 +20,6 @@ from lion_fairseq.ops.fla import fla_attention, fla_available
 import triton_interpreter
 from reference import fast_reference_attention, reference_attention
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, H, DK, DV = 2, 3, 5, 3  # odd, unequal head dims: fla_attention must pad them for the 16-bit kernels
 
 
@@ -206,64 +203,6 @@ def test_missing_fla_says_what_to_install(monkeypatch):
     q, k, v, _, _ = make_inputs(3, "none")
     with pytest.raises(RuntimeError, match="fla-core"):
         fla_attention(q, k, v, None, None, causal=False)
-
-
-def test_gpu_benchmark_help(capsys):
-    from lion_fairseq.benchmark import gpu
-
-    with pytest.raises(SystemExit) as done:
-        gpu.main(["--help"])
-    assert done.value.code == 0 and "--out" in capsys.readouterr().out
-
-
-def test_gpu_benchmark_writes_its_tables(tmp_path):
-    """The report writer on a made-up report with every kind of cell, so a lent GPU's minutes are not lost
-    to a formatting error at the end."""
-    from lion_fairseq.benchmark import gpu
-
-    report = {"environment": {"gpu": "none", "torch": torch.__version__},
-              "args": vars(gpu.parse_args(["--out", str(tmp_path)])),
-              "check": [{"L": 65, "dtype": "bfloat16", "causal": False, "finite": True, "ok": True,
-                         "errors": {"values": 3e-3, "dq": 5e-3, "dlog_a_fwd": 8e-3}},
-                        {"L": 1, "dtype": "float32", "causal": True, "ok": False, "error": "RuntimeError('x')"}],
-              "timing": [{"L": 1024, "B": 32, "results": {"lion-fla": {"fwd_ms": 0.5, "fwdbwd_ms": 1.5,
-                                                                      "fwd_mib": 10.0, "fwdbwd_mib": 40.0},
-                                                         "sdpa": {"fwd_ms": "OOM"},
-                                                         "lion-torch-chunk": {"fwd_ms": "skipped (budget)"}}}],
-              "precision": [{"kind": "softmax", "form": "-", "L": 4096, "fp16": 4e-4, "bf16": 3e-3},
-                            {"kind": "lit", "form": "chunk", "L": 4096, "fp16": 6e-4, "bf16": 4e-3}],
-              "train": [{"variant": "s", "precision": "amp", "losses": [9.5, 7.25], "finite": True, "seconds": 12.0,
-                         "forms": {f: 7.0 for f in gpu.FORMS}, "forms_agree": True, "ok": True},
-                        {"variant": "d", "precision": "bf16", "error": "skipped (budget)"}]}
-    gpu.save(tmp_path, report)
-    md = (tmp_path / "gpu.md").read_text()
-    assert "| 65 | bfloat16 | False | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
-    assert "| 1024 | 32 | 0.5 | - | - | skipped (budget) | OOM |" in md and "error: RuntimeError" in md
-    assert "| lion_lit | chunk | 4096 | 6.0e-04 | 4.0e-03 | 1.5 | 1.3 |" in md
-    assert "| lion_s_lm | amp | 9.500 / 7.250 | yes | 7.0000 | 7.0000 | 7.0000 | 7.0000 | yes | 12.0 |" in md
-    assert "| lion_d_lm | bf16 | error: 'skipped (budget)' |" in md
-    assert gpu.json.loads((tmp_path / "gpu.json").read_text())["timing"][0]["B"] == 32
-
-
-def test_gpu_training_runs_trains_and_compares_the_forms(tmp_path, one_thread):
-    """The GPU run's training part, here in float32 on CPU at tiny size: the pydoc corpus binarised, a
-    real fairseq-train, the checkpoint's loss in every form (so the GPU's minutes go to the GPU)."""
-    from lion_fairseq.benchmark.gpu_training import FORMS, train_and_evaluate
-
-    row = train_and_evaluate(tmp_path, "s", "fp32", arch_suffix="_tiny", length=64, updates=3, device="cpu")
-    assert row["ok"], row
-    assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]
-    assert set(row["forms"]) == set(FORMS) and row["forms_agree"]
-
-
-def test_gpu_benchmark_refuses_clearly_without_cuda_or_fla(tmp_path):
-    """``python -m lion_fairseq.benchmark.gpu`` as typed; LION_FLA=0 makes it refuse on a GPU machine too,
-    instead of running the benchmark inside the tests (one process: importing fairseq takes seconds)."""
-    run = subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.gpu", "--out", str(tmp_path / "out")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, LION_FLA="0"))
-    assert run.returncode != 0 and "Traceback" not in run.stderr
-    assert ("needs a CUDA GPU" if not torch.cuda.is_available() else "LION_FLA=0") in run.stderr
-    assert not (tmp_path / "out").exists()
 
 
 # ---- fla refusing its gated backward: known from the GPU and Triton, gradients from its forward kernel ----

@@ -1,40 +1,44 @@
-"""One-off GPU check and benchmark of LION on flash-linear-attention (fla), for a lent CUDA machine:
+"""The GPU check and benchmark, for a lent CUDA machine, in one command:
 
-    python -m lion_fairseq.benchmark.gpu --out DIR        # about 5-10 minutes on one H100/H200
+    python -m lion_fairseq.benchmark.gpu --out DIR        # under 8 minutes on one H200 (budget: --budget-s)
 
-1. Agreement: ``lion_attention(form="chunk")`` on fla's kernels against the PyTorch chunk form
-   (``LION_FLA=0``), float32 and bf16, bidirectional and causal, per-token gates: the values, and the
-   gradients of q, k, v and both gates of the unnormalised product (``check``), as relative RMS errors.
-2. Speed: forward (inference, no autograd) and forward+backward of bidirectional LION with per-token gates
-   in bf16 (fla; fla without the normaliser column; the PyTorch chunk form), and without gates on fla
-   (LION-LIT, whose backward is fla's own on every GPU), against
-   ``torch.nn.functional.scaled_dot_product_attention`` in bf16, H=12, D=64, L = 1K ... 32K, with the
-   same number of tokens per batch at every L (``--tokens``), CUDA events after warm-up (which includes
-   Triton's autotuning), the median of ``--iters``; peak memory above the inputs
-   (``torch.cuda.max_memory_allocated``).
-3. Mixed precision: the error of one attention module under CUDA autocast (fp16, bf16) against float64,
-   LION-LIT/D/S in each form against fairseq's softmax ``MultiheadAttention`` (``benchmark/precision.py``).
-4. Training: a short real ``fairseq-train`` of ``lion_{lit,d,s}_lm`` at L = 4096 with ``--fp16``, ``--amp``
-   and bf16 (``benchmark/gpu_training.py``): finite losses, and the checkpoint's loss the same in every form.
-   The first three runs cover every variant and every precision, in case ``--budget-s`` ends the phase early.
+1. Check: LION's Triton kernel (``backend="triton"``) against the PyTorch chunk form (``backend="torch"``)
+   on the GPU, float32 and bf16, bidirectional and causal, no, per-head and per-token gates: the
+   normalised values and the gradients of q, k, v and both gates, as relative RMS errors (Triton has
+   miscompiled kernels of this kind before: fla #640, so a new kernel is not taken on trust).
+2. Operator: forward (inference, no autograd) and forward+backward, bf16, H = 12, D = 64, the same tokens
+   per batch at every L (``--tokens``), of LION-S (per-token gates), LION-D (per-head) and LION-LIT (none)
+   on the kernel, LION-S and LION-LIT on fla, and ``scaled_dot_product_attention`` (FlashAttention);
+   CUDA events after warm-up (which includes Triton's compiling), the median of ``--iters``; peak memory
+   above the inputs; beside the kernel's times, its FLOPs and bytes per call as counted by ``kernel_cost``
+   (an estimate) and the rates they imply.
+3. End to end: ``fairseq-train`` tokens per second (fairseq's ``wps``) in bf16 of ``lion_s_lm`` against
+   ``transformer_lm`` and of ``lion_s`` against ``roberta_base`` (same width and depth) at each
+   ``--train-lengths`` (``gpu_training.train_speed``), LION on the kernel; LION-S LM on fla too at one L.
+4. Forms: one trained ``lion_s_lm`` checkpoint through ``fairseq-eval-lm`` in every form and backend, and
+   recurrent decoding through the hub's generator on CUDA, checked token by token against the parallel
+   form (``gpu_training.eval_lm_forms``, ``gpu_training.recurrent_decoding``).
 
-Writes ``gpu.md`` (tables) and ``gpu.json`` into ``--out``; the JSON after every measurement, so a run cut
-short keeps what it measured. Exits with a message, and non-zero, when CUDA or fla is missing."""
+``--precision-table`` and ``--mixed-precision-runs`` add the first GPU run's error-under-autocast table and
+its fp16/amp/bf16 training of every variant. Writes ``gpu.md`` (tables) and ``gpu.json`` into ``--out``
+after every measurement, so a run cut short keeps what it measured. Exits non-zero, with a message, when
+CUDA or Triton is missing."""
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .gpu_training import FORMS, PRECISIONS, train_and_evaluate
+from .gpu_training import FORMS, PRECISIONS, eval_lm_forms, recurrent_decoding, train_and_evaluate, train_speed
 
-# lion-lit-fla: no gates (LION-LIT), whose backward is fla's own on every GPU
-IMPLS = ("lion-fla", "lion-fla-nonorm", "lion-lit-fla", "lion-torch-chunk", "sdpa")
-# relative RMS error allowed against the PyTorch chunk form: fla's fp32 matmuls run in TF32
-TOLERANCE = {"float32": {"values": 3e-3, "grads": 3e-3}, "bfloat16": {"values": 1e-2, "grads": 2e-2}}
+IMPLS = ("lion-s-triton", "lion-d-triton", "lion-lit-triton", "lion-s-fla", "lion-lit-fla", "sdpa")
+GATES = ("none", "head", "token")
+# relative RMS error allowed against the PyTorch chunk form (float32: products in float32 on both sides)
+TOLERANCE = {"float32": {"values": 1e-4, "grads": 1e-4}, "bfloat16": {"values": 1e-2, "grads": 3e-2}}
+# H200 (SXM): HBM3e bandwidth and dense bf16 tensor-core rate, from NVIDIA's data sheet
+H200_BYTES_PER_S, H200_BF16_FLOPS = 4.8e12, 989e12
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -42,18 +46,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for gpu.md and gpu.json")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="sequence lengths timed")
-    p.add_argument("--check-lengths", default="1,65,1000,4096", help="sequence lengths of the agreement check")
+    p.add_argument("--check-lengths", default="1,1000,4096", help="sequence lengths of the kernel's check")
     p.add_argument("--tokens", type=int, default=32768, help="B = max(1, tokens // L) at each L")
-    p.add_argument("--batch", type=int, default=None, help="a fixed batch size instead of --tokens")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--train-length", type=int, default=4096, help="tokens per sample of the training runs")
-    p.add_argument("--train-updates", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="stop starting new training runs and timings after this many seconds (the check "
-                        "always runs)")
+    p.add_argument("--train-lengths", default="512,2048,8192", help="tokens per sample of the fairseq-train runs")
+    p.add_argument("--train-tokens", type=int, default=16384, help="tokens per batch of the fairseq-train runs")
+    p.add_argument("--train-updates", type=int, default=15)
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no new timing, training or evaluation after this many seconds (the check always "
+                        "runs)")
+    p.add_argument("--precision-table", action="store_true", help="also the error under CUDA autocast")
+    p.add_argument("--mixed-precision-runs", action="store_true",
+                   help="also fairseq-train of lion_{lit,d,s}_lm with --fp16, --amp and bf16, each checkpoint in "
+                        "every form")
     return p.parse_args(argv)
 
 
@@ -61,15 +69,12 @@ def refuse_reason() -> Optional[str]:
     """Why this machine cannot run the benchmark, or None."""
     import torch
 
-    from lion_fairseq.ops import fla as fla_mod
+    from lion_fairseq.ops.backend import triton_unavailable
 
     if not torch.cuda.is_available():
         return "needs a CUDA GPU: torch.cuda.is_available() is False (torch " + torch.__version__ + ")"
-    if os.environ.get("LION_FLA", "1") == "0":
-        return "LION_FLA=0 turns fla off; unset it to benchmark fla"
-    if fla_mod._load() is None:
-        return "needs flash-linear-attention's kernels: pip install fla-core (the lion-fairseq[fla] extra)"
-    return None
+    reason = triton_unavailable(torch.zeros(1, device="cuda"), (64, 64))
+    return f"needs LION's Triton kernel, which cannot run: {reason}" if reason else None
 
 
 def environment() -> Dict[str, str]:
@@ -78,7 +83,7 @@ def environment() -> Dict[str, str]:
     import torch
 
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for pkg in ("triton", "fla-core", "flash-linear-attention", "tilelang"):
+    for pkg in ("triton", "fla-core", "ve-fairseq"):
         try:
             info[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -86,22 +91,21 @@ def environment() -> Dict[str, str]:
     return info
 
 
-def make_inputs(B: int, H: int, L: int, D: int, dtype, seed: int = 0, grad: bool = False):
-    """q, k as LION-D's feature map leaves them (positive, unit norm), v signed, per-token log-gates in float32."""
+def make_inputs(B: int, H: int, L: int, D: int, dtype, gates: str = "token", seed: int = 0, grad: bool = False,
+                device: str = "cuda"):
+    """q, k as LION-D/S's feature map leaves them (positive, unit norm), v signed, log-gates in float32:
+    ``(B, H, L)`` per token, ``(H, 1)`` per head, or None."""
     import torch
     import torch.nn.functional as F
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = F.normalize(torch.rand(B, H, L, D, device="cuda", generator=g) + 0.1, dim=-1).to(dtype)
-    k = F.normalize(torch.rand(B, H, L, D, device="cuda", generator=g) + 0.1, dim=-1).to(dtype)
-    v = torch.randn(B, H, L, D, device="cuda", generator=g).to(dtype)
-    f = F.logsigmoid(torch.randn(B, H, L, device="cuda", generator=g) + 3)
-    b = F.logsigmoid(torch.randn(B, H, L, device="cuda", generator=g) + 3)
-    return [x.requires_grad_(grad) for x in (q, k, v, f, b)]
-
-
-def with_fla(on: bool) -> None:
-    os.environ["LION_FLA"] = "1" if on else "0"
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = F.normalize(torch.rand(B, H, L, D, device=device, generator=g) + 0.1, dim=-1).to(dtype)
+    k = F.normalize(torch.rand(B, H, L, D, device=device, generator=g) + 0.1, dim=-1).to(dtype)
+    v = torch.randn(B, H, L, D, device=device, generator=g).to(dtype)
+    shape = {"none": None, "head": (H, 1), "token": (B, H, L)}[gates]
+    f = F.logsigmoid(torch.randn(*shape, device=device, generator=g) + 3) if shape else None
+    b = F.logsigmoid(torch.randn(*shape, device=device, generator=g) + 3) if shape else None
+    return [x.requires_grad_(grad) if x is not None else None for x in (q, k, v, f, b)]
 
 
 def rel_rms(x, ref) -> float:
@@ -109,48 +113,49 @@ def rel_rms(x, ref) -> float:
     return ((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def forward_kernel_backward(x) -> Optional[str]:
-    """How LION-D/S get their gradients on fla here when it is not fla's own backward (``fla_backward_refused``
-    on x's device), else None."""
-    from lion_fairseq.ops.fla import fla_backward_refused
-
-    refusal = fla_backward_refused(x)
-    return "fla's forward kernel: " + refusal if refusal else None
-
-
-def check(L: int, dtype_name: str, causal: bool) -> Dict:
-    """fla against the PyTorch chunk form, as relative RMS errors: the normalised values of a gated call (what
-    the layers use), and the gradients of q, k, v and both gates of the unnormalised product (what fla
-    computes). The division by the row sum is the same PyTorch code on both sides, and its gradients in q
-    and k are differences of nearly equal terms: at L = 1 the output does not depend on q and k at all, its
-    gradients there are about eps, and TF32's rounding of the two terms swamps them (measured: 200x).
-    ``backward`` says which backward ran: fla's own, or its forward kernel where fla refuses its gated
-    backward (``fla_backward_refused``)."""
+def check(L: int, dtype_name: str, causal: bool, gates: str, device: str = "cuda", B: int = 2, H: int = 4,
+          D: int = 64) -> Dict:
+    """The kernel against the PyTorch chunk form: relative RMS errors of the normalised values and of the
+    gradients of every input (a gradient's error relative to the larger of its own size and a hundredth
+    of the largest gradient's). At L = 1 the normalised output does not depend on q and k: their true
+    gradients are eps-sized differences of terms near 1, rounding noise on both sides, and are left out."""
     import torch
 
     from lion_fairseq.ops import lion_attention
 
     dtype = getattr(torch, dtype_name)
-    inputs = make_inputs(2, 4, L, 64, dtype, seed=L)
-    weight = torch.randn(2, 4, L, 64, device="cuda", dtype=torch.float64,
-                         generator=torch.Generator(device="cuda").manual_seed(1))
+    inputs = make_inputs(B, H, L, D, dtype, gates, seed=L, device=device)
+    weight = torch.randn(B, H, L, D, device=device, generator=torch.Generator(device=device).manual_seed(1))
     outs = {}
-    for on in (True, False):
-        with_fla(on)
-        with torch.no_grad():
-            y = lion_attention(*inputs, form="chunk", causal=causal)
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        (lion_attention(*leaves, form="chunk", causal=causal, normalize=False).double() * weight).sum().backward()
-        outs[on] = (y, [x.grad for x in leaves])
-    with_fla(True)
-    names = ["q", "k", "v", "log_a_fwd"] + ([] if causal else ["log_a_bwd"])
-    errors = {"values": rel_rms(outs[True][0], outs[False][0])}
-    errors.update({f"d{n}": rel_rms(a, r) for n, a, r in zip(names, outs[True][1], outs[False][1])})
-    finite = all(bool(torch.isfinite(x).all()) for x in [outs[True][0]] + outs[True][1][:len(names)])
+    for backend in ("triton", "torch"):
+        leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in inputs]
+        y = lion_attention(*leaves, form="chunk", causal=causal, backend=backend)
+        (y.float() * weight).sum().backward()
+        outs[backend] = (y.detach(), [x.grad if x is not None else None for x in leaves])
+    names = [n for n, x in zip(("q", "k", "v", "log_a_fwd", "log_a_bwd"), inputs)
+             if x is not None and not (causal and n == "log_a_bwd") and not (L == 1 and n in ("q", "k"))]
+    got = dict(zip(("q", "k", "v", "log_a_fwd", "log_a_bwd"), outs["triton"][1]))
+    ref = dict(zip(("q", "k", "v", "log_a_fwd", "log_a_bwd"), outs["torch"][1]))
+    size = lambda x: x.double().pow(2).mean().sqrt().item()  # noqa: E731
+    floor = 1e-2 * max(size(ref[n]) for n in names)
+    errors = {"values": rel_rms(outs["triton"][0], outs["torch"][0])}
+    for n in names:
+        errors[f"d{n}"] = (got[n].double() - ref[n].double()).pow(2).mean().sqrt().item() / max(size(ref[n]), floor)
+    finite = bool(torch.isfinite(outs["triton"][0]).all()) and all(bool(torch.isfinite(got[n]).all()) for n in names)
     tol = TOLERANCE[dtype_name]
     ok = finite and errors["values"] < tol["values"] and all(errors[f"d{n}"] < tol["grads"] for n in names)
-    return {"L": L, "dtype": dtype_name, "causal": causal, "finite": finite, "ok": ok, "errors": errors,
-            "backward": forward_kernel_backward(inputs[0]) or "fla's"}
+    return {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "finite": finite, "ok": ok,
+            "errors": errors}
+
+
+def check_cases(lengths: List[int]) -> List[tuple]:
+    """(L, dtype, causal, gates): per-token gates in float32, every gate kind in bf16 (what training runs)."""
+    cases = []
+    for L in lengths:
+        for causal in (False, True):
+            cases.append((L, "float32", causal, "token"))
+            cases += [(L, "bfloat16", causal, gates) for gates in GATES]
+    return cases
 
 
 def runner(impl: str) -> Callable:
@@ -160,34 +165,44 @@ def runner(impl: str) -> Callable:
 
     if impl == "sdpa":
         return lambda q, k, v, f, b: F.scaled_dot_product_attention(q, k, v)
-    if impl == "lion-lit-fla":
-        return lambda q, k, v, f, b: lion_attention(q, k, v, None, None, form="chunk")
-    normalize = impl != "lion-fla-nonorm"
-    return lambda q, k, v, f, b: lion_attention(q, k, v, f, b, form="chunk", normalize=normalize)
+    backend = impl.split("-")[-1]
+    return lambda q, k, v, f, b: lion_attention(q, k, v, f, b, form="chunk", backend=backend)
 
 
-def cuda_time_ms(fn: Callable, warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
+def gates_of(impl: str) -> str:
+    return {"s": "token", "d": "head", "lit": "none"}.get(impl.split("-")[1], "none") if impl != "sdpa" else "none"
+
+
+def time_ms(fn: Callable, warmup: int, iters: int, device: str = "cuda") -> float:
+    """Median milliseconds of ``fn`` (CUDA events on a GPU, the wall clock elsewhere), after ``warmup`` calls."""
     import torch
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
 
-def peak_mib(fn: Callable) -> float:
-    """Peak memory that one call of ``fn`` allocates above what is allocated before it."""
+def peak_mib(fn: Callable, device: str = "cuda") -> Optional[float]:
+    """Peak memory that one call of ``fn`` allocates above what is allocated before it (CUDA only)."""
     import torch
 
+    if device != "cuda":
+        fn()
+        return None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -196,13 +211,51 @@ def peak_mib(fn: Callable) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int) -> Dict:
+def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, C: int = 64, segments: bool = True,
+                in_bytes: int = 2) -> Dict[str, float]:
+    """An estimate, counted from ``ops/kernel.py``, of one bidirectional normalised call: FLOPs (2 per
+    multiply-add, matmuls only) and bytes moved (each walk reads its chunk's rows once; no cache reuse
+    across walks is assumed). Per token and head, with Dk = Dv = D and chunks of C:
+
+    - forward, gated: two walks of ``q k^T``, ``A v`` (2 C D each), ``q S``, ``k^T v`` (2 D^2 each), plus
+      one more ``k^T v`` per walk for the segments' sums; reads q, k, v per walk (and k, v for the sums),
+      writes y twice, reads it once, and the float32 row sums;
+    - forward, no gates: the sums ``k^T v`` and one ``q S``; reads k, v, q once, writes y once;
+    - backward, gated: two walks of five C x C products and five ``D x D``-state products each, plus the
+      segments' sums of both states; reads q, k, v, dy, y (and the row sums) per walk, writes dq, dk, dv
+      twice and reads them once; no gates: the two sums and three state products."""
+    tokens = B * H * L
+    elems = D * in_bytes
+    if gates == "none":
+        flops = {"fwd": 4 * D * D, "bwd": 10 * D * D}
+        io = {"fwd": 3 * elems + 4, "bwd": 8 * elems + 4}
+    else:
+        sums = 2 * 2 * D * D if segments else 0
+        flops = {"fwd": 2 * (4 * C * D + 4 * D * D) + sums, "bwd": 2 * (10 * C * D + 10 * D * D) + 2 * sums}
+        io = {"fwd": 2 * 3 * elems + (4 * elems if segments else 0) + 3 * elems + 12,
+              "bwd": 2 * 5 * elems + 9 * elems + (8 * elems if segments else 0) + 8}
+    if mode == "fwdbwd":
+        return {"flops": tokens * (flops["fwd"] + flops["bwd"]), "bytes": tokens * (io["fwd"] + io["bwd"])}
+    return {"flops": tokens * flops["fwd"], "bytes": tokens * io["fwd"]}
+
+
+def fla_missing(device: str = "cuda") -> Optional[str]:
+    """Why fla cannot run here, or None (its columns and runs are then skipped, not run on a fallback)."""
     import torch
 
-    with_fla(impl != "lion-torch-chunk")
+    from lion_fairseq.ops.fla import fla_unavailable
+
+    return fla_unavailable(torch.zeros(1, device=device))
+
+
+def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, device: str = "cuda") -> Dict:
+    import torch
+
+    if impl.endswith("fla") and fla_missing(device):
+        return {"fwd_ms": "not run: " + fla_missing(device)}
     run = runner(impl)
-    inputs = make_inputs(B, H, L, D, torch.bfloat16, grad=True)
-    grad_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+    inputs = make_inputs(B, H, L, D, torch.bfloat16, gates_of(impl), grad=True, device=device)
+    grad_out = torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16)
 
     def fwd():
         with torch.no_grad():
@@ -210,52 +263,97 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int) 
 
     def fwdbwd():
         for x in inputs:
-            x.grad = None
+            if x is not None:
+                x.grad = None
         run(*inputs).backward(grad_out)
 
-    how = forward_kernel_backward(inputs[0]) if impl in ("lion-fla", "lion-fla-nonorm") else None
-    result = {"backward": how} if how else {}
+    result = {}
     for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
         try:
-            result[f"{mode}_ms"] = cuda_time_ms(fn, warmup, iters)
-            result[f"{mode}_mib"] = peak_mib(fn)
+            result[f"{mode}_ms"] = time_ms(fn, warmup, iters, device)
+            result[f"{mode}_mib"] = peak_mib(fn, device)
         except torch.cuda.OutOfMemoryError:
             result[f"{mode}_ms"] = result[f"{mode}_mib"] = "OOM"
-        torch.cuda.empty_cache()
-    with_fla(True)
+        if impl.endswith("triton") and isinstance(result[f"{mode}_ms"], float):
+            cost = kernel_cost(B, H, L, D, gates_of(impl), mode)
+            result[f"{mode}_tflops"] = cost["flops"] / result[f"{mode}_ms"] / 1e9
+            result[f"{mode}_gbps"] = cost["bytes"] / result[f"{mode}_ms"] / 1e6
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return result
 
 
 def fmt(x) -> str:
-    return f"{x:.3g}" if isinstance(x, float) else str(x)
+    return f"{x:.3g}" if isinstance(x, float) else ("-" if x is None else str(x))
 
 
 def markdown(report: Dict) -> str:
     env, a = report["environment"], report["args"]
-    lines = ["# LION on fla vs softmax attention (SDPA)", "",
+    lines = ["# LION's Triton kernel, fla and softmax attention (SDPA) on a GPU", "",
              ", ".join(f"{k} {v}" for k, v in env.items()), "",
-             f"`python -m lion_fairseq.benchmark.gpu` H={a['heads']}, D={a['dim']}, bf16, bidirectional, "
-             f"per-token gates; median of {a['iters']} after {a['warmup']} warm-up calls; memory is the peak "
-             "above the inputs.", "", "## Agreement with the PyTorch chunk form (relative RMS)", "",
-             "| L | dtype | causal | values | worst gradient | ok |", "|---|---|---|---|---|---|"]
+             "`python -m lion_fairseq.benchmark.gpu`", "",
+             "## The kernel against the PyTorch chunk form (relative RMS)", "",
+             "| L | dtype | causal | gates | values | worst gradient | ok |", "|---|---|---|---|---|---|---|"]
     for c in report["check"]:
         if "error" in c:
-            lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | error: {c['error']} | | no |")
+            lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c.get('gates', '-')} | error: {c['error']} "
+                         "| | NO |")
             continue
         grads = {k: v for k, v in c["errors"].items() if k != "values"}
         worst = max(grads, key=grads.get)
-        lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c['errors']['values']:.2e} | "
+        lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c['gates']} | {c['errors']['values']:.2e} | "
                      f"{worst} {grads[worst]:.2e} | {'yes' if c['ok'] else 'NO'} |")
-    for how in sorted({c["backward"] for c in report["check"] if "backward" in c}):
-        lines += ["", "Gated gradients by " + how]
+    impls = list(IMPLS)
+    lines += ["", f"## Operator: H={a['heads']}, D={a['dim']}, bf16, bidirectional, normalised, {a['tokens']} "
+              f"tokens per batch; median of {a['iters']} after {a['warmup']} warm-up calls; memory is the peak "
+              "above the inputs. lion-s: per-token gates, lion-d: per head, lion-lit: none."]
+    for title, key in (("forward, ms", "fwd_ms"), ("forward+backward, ms", "fwdbwd_ms"),
+                       ("forward peak, MiB", "fwd_mib"), ("forward+backward peak, MiB", "fwdbwd_mib")):
+        lines += ["", f"### {title}", "", "| L | B | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
+        for row in report["timing"]:
+            cells = [fmt(row["results"].get(i, {}).get(key, "-")) for i in impls]
+            lines.append(f"| {row['L']} | {row['B']} | " + " | ".join(cells) + " |")
+    lines += ["", "### The kernel's rates, from the FLOPs and bytes that `kernel_cost` estimates per call", "",
+              f"H200: {H200_BYTES_PER_S / 1e12:.1f} TB/s, {H200_BF16_FLOPS / 1e12:.0f} dense bf16 TFLOP/s.", "",
+              "| L | impl | fwd TFLOP/s | fwd GB/s | fwd+bwd TFLOP/s | fwd+bwd GB/s |", "|---|---|---|---|---|---|"]
+    for row in report["timing"]:
+        for impl in (i for i in impls if i.endswith("triton")):
+            r = row["results"].get(impl, {})
+            if "fwd_tflops" in r:
+                lines.append(f"| {row['L']} | {impl} | {fmt(r['fwd_tflops'])} | {fmt(r['fwd_gbps'])} | "
+                             f"{fmt(r.get('fwdbwd_tflops'))} | {fmt(r.get('fwdbwd_gbps'))} |")
+    if report.get("speed"):
+        lines += ["", f"## fairseq-train in bf16, tokens per second (fairseq's wps, median after 3 updates), "
+                  f"{a['train_tokens']} tokens per batch", "",
+                  "| task | model | backend | L | B | wps | vs softmax | s |", "|---|---|---|---|---|---|---|---|"]
+        for r in report["speed"]:
+            if r.get("error"):
+                lines.append(f"| {r['task']} | {r['arch']} | {r['backend'] or '-'} | {r['L']} | | "
+                             f"error: {r['error'][-200:]!r} | | |")
+                continue
+            lines.append(f"| {r['task']} | {r['arch']} | {r['backend'] or '-'} | {r['L']} | {r['B']} | "
+                         f"{fmt(r['wps'])} | {fmt(r.get('vs_softmax'))} | {r['seconds']} |")
+    if report.get("eval_lm"):
+        e = report["eval_lm"]
+        lines += ["", f"## fairseq-eval-lm of {e.get('checkpoint', '-')} in every form (loss, base 2)", "",
+                  "| form | loss | perplexity |", "|---|---|---|"]
+        for form, r in e.get("forms", {}).items():
+            lines.append(f"| {form} | {fmt(r.get('loss'))} | {fmt(r.get('ppl'))} |" if "error" not in r
+                         else f"| {form} | error: {r['error'][-200:]!r} | |")
+    if report.get("decoding"):
+        d = report["decoding"]
+        lines += ["", "## Recurrent decoding through the hub's generator", ""]
+        lines.append(f"error: {d['error']}" if "error" in d else
+                     f"{d['new_tokens']} greedy tokens after a {d['prompt_tokens']}-token prompt, "
+                     f"{fmt(d['ms_per_token'])} ms per token; the parallel form's argmax agrees at "
+                     f"{d['agree']} of {d['new_tokens']} positions.")
     if report.get("precision"):
         from .precision import table
 
         lines += ["", "## Error under CUDA autocast against float64 (width 256, 4 heads)", "",
                   table(report["precision"])]
     if report.get("train"):
-        lines += ["", f"## fairseq-train, L = {a['train_length']}, {a['train_updates']} updates, then the loss of "
-                  "the checkpoint in each form", "",
+        lines += ["", "## fairseq-train, L = 4096, 20 updates, then the loss of the checkpoint in each form", "",
                   "| model | precision | first / last loss | finite | " + " | ".join(FORMS) + " | forms agree | s |",
                   "|---|---|---|---|" + "---|" * len(FORMS) + "---|---|"]
         for r in report["train"]:
@@ -266,23 +364,25 @@ def markdown(report: Dict) -> str:
             forms = " | ".join(f"{r['forms'][f]:.4f}" for f in FORMS)
             lines.append(f"| lion_{r['variant']}_lm | {r['precision']} | {ends} | {'yes' if r['finite'] else 'NO'} | "
                          f"{forms} | {'yes' if r['forms_agree'] else 'NO'} | {r['seconds']} |")
-    impls = list(IMPLS)
-    for title, key in (("forward, ms", "fwd_ms"), ("forward+backward, ms", "fwdbwd_ms"),
-                       ("forward peak, MiB", "fwd_mib"), ("forward+backward peak, MiB", "fwdbwd_mib")):
-        lines += ["", f"## {title}", "", "| L | B | " + " | ".join(impls) + " |",
-                  "|---|---|" + "---|" * len(impls)]
-        for row in report["timing"]:
-            cells = [fmt(row["results"].get(i, {}).get(key, "-")) for i in impls]
-            lines.append(f"| {row['L']} | {row['B']} | " + " | ".join(cells) + " |")
-        own = {r["backward"] for row in report["timing"] for r in row["results"].values() if r.get("backward")}
-        if key.startswith("fwdbwd") and own:
-            lines += ["", "lion-fla and lion-fla-nonorm: gradients by " + "; ".join(sorted(own))]
     return "\n".join(lines) + "\n"
 
 
 def save(out: Path, report: Dict) -> None:
     (out / "gpu.json").write_text(json.dumps(report, indent=1))
     (out / "gpu.md").write_text(markdown(report))
+
+
+def speed_runs(args: argparse.Namespace, fla: bool = True) -> List[tuple]:
+    """(task, arch, backend, L): each softmax model beside its LION counterpart on the kernel, per L, and
+    LION-S LM on fla at the middle L (where fla is installed)."""
+    lengths = [int(x) for x in args.train_lengths.split(",")]
+    runs = []
+    for L in lengths:
+        runs += [("lm", "transformer_lm", None, L), ("lm", "lion_s_lm", "triton", L),
+                 ("mlm", "roberta_base", None, L), ("mlm", "lion_s", "triton", L)]
+    if fla:
+        runs.append(("lm", "lion_s_lm", "fla", lengths[len(lengths) // 2]))
+    return runs
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -295,63 +395,93 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"environment": environment(), "args": vars(args), "check": [], "timing": []}
+    report = {"environment": environment(), "args": vars(args), "check": [], "timing": [], "speed": []}
     print(report["environment"], flush=True)
     started = time.time()
-    for L in (int(x) for x in args.check_lengths.split(",")):
-        for dtype_name in ("float32", "bfloat16"):
-            for causal in (False, True):
-                try:
-                    c = check(L, dtype_name, causal)
-                except Exception as e:  # e.g. fla refusing this GPU/Triton pair: record it, go on
-                    c = {"L": L, "dtype": dtype_name, "causal": causal, "ok": False, "error": repr(e)[:300]}
-                report["check"].append(c)
-                print(f"check L={L} {dtype_name} causal={causal}: {c.get('errors', c.get('error'))}", flush=True)
-                save(out, report)
+    over = lambda: time.time() - started > args.budget_s  # noqa: E731
+    for L, dtype_name, causal, gates in check_cases([int(x) for x in args.check_lengths.split(",")]):
+        try:
+            c = check(L, dtype_name, causal, gates)
+        except Exception as e:
+            c = {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "ok": False, "error": repr(e)[:300]}
+        report["check"].append(c)
+        print(f"check L={L} {dtype_name} causal={causal} {gates}: {c.get('errors', c.get('error'))}", flush=True)
+        save(out, report)
     for L in (int(x) for x in args.lengths.split(",")):
-        B = args.batch or max(1, args.tokens // L)
+        B = max(1, args.tokens // L)
         row = {"L": L, "B": B, "results": {}}
         report["timing"].append(row)
         for impl in IMPLS:
-            if time.time() - started > args.budget_s:
+            if over():
                 row["results"][impl] = {"fwd_ms": "skipped (budget)"}
                 continue
             try:
                 row["results"][impl] = measure(impl, B, args.heads, L, args.dim, args.warmup, args.iters)
-            except Exception as e:
+            except Exception as e:  # fla missing or refusing: recorded, the rest goes on
                 row["results"][impl] = {"fwd_ms": f"error: {e!r}"[:200]}
             torch.cuda.empty_cache()
             print(f"L={L} B={B} {impl}: {row['results'][impl]}", flush=True)
             save(out, report)
-    from . import precision
-
-    try:
-        report["precision"] = precision.measure([4096], torch.get_num_threads(), device="cuda")
-    except Exception as e:
-        report["precision_error"] = repr(e)[:300]
-        print(f"precision: {e!r}", flush=True)
-    save(out, report)
-    report["train"] = []
-    # the first three runs already cover every variant and every precision, in case the budget ends early
-    variants = ("lit", "d", "s")
-    runs = sorted(((v, p) for v in variants for p in PRECISIONS),
-                  key=lambda vp: (variants.index(vp[0]) - PRECISIONS.index(vp[1])) % len(PRECISIONS))
-    for variant, prec in runs:
-        if time.time() - started > args.budget_s:
-            report["train"].append({"variant": variant, "precision": prec, "error": "skipped (budget)"})
+    root = out / "train"
+    softmax_wps = {}
+    for task, arch, backend, L in speed_runs(args, fla=not fla_missing()):
+        if over():
+            report["speed"].append({"task": task, "arch": arch, "backend": backend, "L": L, "error": "skipped (budget)"})
             continue
+        keep = task == "lm" and backend == "triton" and L == int(args.train_lengths.split(",")[0])
         try:
-            row = train_and_evaluate(out / "train", variant, prec, length=args.train_length,
-                                     updates=args.train_updates)
+            r = train_speed(root, task, arch, L, backend, tokens=args.train_tokens, updates=args.train_updates,
+                            keep_checkpoint=keep)
         except Exception as e:
-            row = {"variant": variant, "precision": prec, "ok": False, "error": repr(e)[:300]}
-        report["train"].append(row)
-        print(f"train lion_{variant}_lm {prec}: {row}", flush=True)
+            r = {"task": task, "arch": arch, "backend": backend, "L": L, "error": repr(e)[:300]}
+        if backend is None and r.get("wps"):
+            softmax_wps[(task, L)] = r["wps"]
+        if backend is not None and r.get("wps") and (task, L) in softmax_wps:
+            r["vs_softmax"] = r["wps"] / softmax_wps[(task, L)]
+        report["speed"].append(r)
+        print(f"train {task} {arch} {backend} L={L}: {r}", flush=True)
         save(out, report)
+    kept = [r for r in report["speed"] if r.get("checkpoint")]
+    if kept and not over():
+        checkpoint, L = Path(kept[0]["checkpoint"]), kept[0]["L"]
+        forms = tuple(f for f in FORMS if not (f == "chunk-fla" and fla_missing()))
+        report["eval_lm"] = {"checkpoint": f"lion_s_lm, L = {L}", "forms": eval_lm_forms(checkpoint, L, forms=forms)}
+        save(out, report)
+        try:
+            report["decoding"] = recurrent_decoding(checkpoint)
+        except Exception as e:
+            report["decoding"] = {"error": repr(e)[:300]}
+        save(out, report)
+    if args.precision_table and not over():
+        from . import precision
+
+        try:
+            report["precision"] = precision.measure([4096], torch.get_num_threads(), device="cuda")
+        except Exception as e:
+            report["precision_error"] = repr(e)[:300]
+        save(out, report)
+    if args.mixed_precision_runs:
+        report["train"] = []
+        variants = ("lit", "d", "s")
+        runs = sorted(((v, p) for v in variants for p in PRECISIONS),
+                      key=lambda vp: (variants.index(vp[0]) - PRECISIONS.index(vp[1])) % len(PRECISIONS))
+        for variant, prec in runs:
+            if over():
+                report["train"].append({"variant": variant, "precision": prec, "error": "skipped (budget)"})
+                continue
+            try:
+                r = train_and_evaluate(root, variant, prec)
+            except Exception as e:
+                r = {"variant": variant, "precision": prec, "ok": False, "error": repr(e)[:300]}
+            report["train"].append(r)
+            save(out, report)
     print(markdown(report))
-    failed = [c for c in report["check"] + report["train"] if not c.get("ok", c.get("error") == "skipped (budget)")]
+    failed = [c for c in report["check"] if not c.get("ok")]
+    failed += [r for r in report["speed"] + report.get("train", []) if r.get("error") and "budget" not in r["error"]]
+    if report.get("decoding", {}).get("error") or any("error" in r for r in report.get("eval_lm", {}).get("forms", {}).values()):
+        failed.append("forms")
     if failed:
-        print(f"{len(failed)} checks or training runs failed; see {out / 'gpu.md'}", file=sys.stderr)
+        print(f"{len(failed)} checks or runs failed; see {out / 'gpu.md'}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1,0 +1,145 @@
+"""``python -m lion_fairseq.benchmark.gpu`` on CPU, so that a lent GPU's minutes go to the GPU: each of its
+parts run here at tiny size (the kernel under Triton's interpreter, fairseq in float32 with ``cpu: true``),
+and its report written from a made-up result with every kind of cell."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lion_fairseq.benchmark import gpu, gpu_training
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_kernel = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                  reason="the kernel runs under TRITON_INTERPRET=1 or on CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import triton_interpreter
+
+        triton_interpreter.install()
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        gpu.main(["--help"])
+    assert done.value.code == 0 and "--out" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine it would run the whole benchmark")
+def test_refuses_clearly_without_cuda(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.gpu", "--out", str(tmp_path / "out")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "needs a CUDA GPU" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@needs_kernel
+@pytest.mark.parametrize("L,dtype,causal,gates", [(33, "float32", False, "token"), (1, "bfloat16", True, "head"),
+                                                  (20, "bfloat16", False, "none")])
+def test_check_compares_the_kernel_with_the_pytorch_form(L, dtype, causal, gates):
+    c = gpu.check(L, dtype, causal, gates, device="cpu", B=1, H=2, D=16)
+    assert c["ok"] and c["finite"], c
+    named = {"dq", "dk"} if L > 1 else set()
+    named |= {"dv"} | ({"dlog_a_fwd"} if gates != "none" else set())
+    named |= {"dlog_a_bwd"} if gates != "none" and not causal else set()
+    assert set(c["errors"]) == {"values"} | named
+
+
+def test_check_cases_cover_every_gate_kind_in_bf16():
+    cases = gpu.check_cases([1, 1000])
+    assert {(c[2], c[3]) for c in cases if c[1] == "bfloat16"} == {(ca, g) for ca in (False, True) for g in gpu.GATES}
+    assert {c[0] for c in cases} == {1, 1000}
+
+
+@needs_kernel
+def test_measure_times_the_kernel_with_its_estimated_rates():
+    r = gpu.measure("lion-d-triton", 1, 2, 40, 16, warmup=0, iters=1, device="cpu")
+    assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwd_tflops"] > 0 and r["fwdbwd_gbps"] > 0
+
+
+def test_kernel_cost_counts_both_walks():
+    """Gated, the forward is two walks of four products (2 C D or 2 D^2 per token each) and the segments'
+    sums; without gates, the sums and one read of the total state."""
+    gated = gpu.kernel_cost(1, 1, 1, 64, "token", "fwd", C=64)
+    assert gated["flops"] == 2 * (4 * 64 * 64 + 4 * 64 * 64) + 4 * 64 * 64
+    assert gpu.kernel_cost(1, 1, 1, 64, "none", "fwd")["flops"] == 4 * 64 * 64
+    both = gpu.kernel_cost(2, 3, 5, 64, "head", "fwdbwd")
+    assert both["flops"] > 3 * gpu.kernel_cost(2, 3, 5, 64, "head", "fwd")["flops"]
+
+
+def test_speed_runs_pair_every_softmax_model_with_lion_on_the_kernel():
+    runs = gpu.speed_runs(gpu.parse_args(["--out", "x", "--train-lengths", "512,2048,8192"]))
+    for L in (512, 2048, 8192):
+        assert ("lm", "transformer_lm", None, L) in runs and ("lm", "lion_s_lm", "triton", L) in runs
+        assert ("mlm", "roberta_base", None, L) in runs and ("mlm", "lion_s", "triton", L) in runs
+    assert ("lm", "lion_s_lm", "fla", 2048) in runs
+
+
+@needs_kernel
+def test_speed_run_eval_lm_and_recurrent_decoding(tmp_path, one_thread):
+    """The end-to-end part at tiny size in float32: fairseq-hydra-train of a LION LM on the kernel and of
+    RoBERTa (fairseq's wps, a checkpoint kept for the LM), fairseq-eval-lm of that checkpoint in every form
+    with the same loss, and greedy recurrent decoding that the parallel form's argmax confirms."""
+    tiny_lm = {"decoder_layers": 2, "decoder_embed_dim": 64, "decoder_ffn_embed_dim": 128, "decoder_attention_heads": 2}
+    lm = gpu_training.train_speed(tmp_path, "lm", "lion_s_lm", 64, "triton", tokens=256, updates=5,
+                                  keep_checkpoint=True, device="cpu", model=tiny_lm)
+    assert "error" not in lm, lm
+    assert lm["B"] == 4 and lm["wps"] > 0 and len(lm["losses"]) == 5 and Path(lm["checkpoint"]).exists()
+    tiny_enc = {"encoder_layers": 2, "encoder_embed_dim": 64, "encoder_ffn_embed_dim": 128, "encoder_attention_heads": 2}
+    mlm = gpu_training.train_speed(tmp_path, "mlm", "roberta_base", 64, None, tokens=256, updates=4, device="cpu",
+                                   model=tiny_enc)
+    assert "error" not in mlm and mlm["wps"] > 0 and "checkpoint" not in mlm, mlm
+    forms = gpu_training.eval_lm_forms(Path(lm["checkpoint"]), 64, device="cpu",
+                                       forms=("parallel", "chunk-triton", "recurrent"))
+    losses = [r["loss"] for r in forms.values()]
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-3, forms
+    dec = gpu_training.recurrent_decoding(Path(lm["checkpoint"]), device="cpu", prompt_tokens=20, new_tokens=8)
+    assert dec["new_tokens"] == 8 and dec["agree"] == 8 and dec["ms_per_token"] > 0, dec
+
+
+def test_report_has_every_table(tmp_path):
+    report = {"environment": {"gpu": "none", "torch": torch.__version__},
+              "args": vars(gpu.parse_args(["--out", str(tmp_path)])),
+              "check": [{"L": 1000, "dtype": "bfloat16", "causal": False, "gates": "head", "finite": True, "ok": True,
+                         "errors": {"values": 3e-3, "dq": 5e-3, "dlog_a_fwd": 8e-3}},
+                        {"L": 1, "dtype": "float32", "causal": True, "gates": "token", "ok": False,
+                         "error": "RuntimeError('x')"}],
+              "timing": [{"L": 1024, "B": 32, "results": {
+                  "lion-s-triton": {"fwd_ms": 0.5, "fwdbwd_ms": 1.5, "fwd_mib": 10.0, "fwdbwd_mib": 40.0,
+                                    "fwd_tflops": 60.0, "fwd_gbps": 1200.0, "fwdbwd_tflops": 50.0,
+                                    "fwdbwd_gbps": 900.0},
+                  "sdpa": {"fwd_ms": "OOM"}, "lion-s-fla": {"fwd_ms": "skipped (budget)"}}}],
+              "speed": [{"task": "lm", "arch": "transformer_lm", "backend": None, "L": 512, "B": 32, "wps": 1e5,
+                         "seconds": 20.0},
+                        {"task": "lm", "arch": "lion_s_lm", "backend": "triton", "L": 512, "B": 32, "wps": 1.5e5,
+                         "vs_softmax": 1.5, "seconds": 21.0},
+                        {"task": "mlm", "arch": "lion_s", "backend": "triton", "L": 8192, "error": "skipped (budget)"}],
+              "eval_lm": {"checkpoint": "lion_s_lm, L = 512", "forms": {"parallel": {"loss": 7.5, "ppl": 181.0},
+                                                                       "chunk-fla": {"error": "exit 1: x"}}},
+              "decoding": {"prompt_tokens": 64, "new_tokens": 64, "ms_per_token": 3.5, "agree": 64}}
+    gpu.save(tmp_path, report)
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| 1000 | bfloat16 | False | head | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
+    assert "| 1 | float32 | True | token | error: RuntimeError('x') | | NO |" in md
+    assert "| 1024 | 32 | 0.5 | - | - | skipped (budget) | - | OOM |" in md
+    assert "| 1024 | lion-s-triton | 60 | 1.2e+03 | 50 | 900 |" in md
+    assert "| lm | lion_s_lm | triton | 512 | 32 | 1.5e+05 | 1.5 | 21.0 |" in md
+    assert "| mlm | lion_s | triton | 8192 | | error: 'skipped (budget)' | | |" in md
+    assert "| parallel | 7.5 | 181 |" in md and "| chunk-fla | error: 'exit 1: x' | |" in md
+    assert "64 greedy tokens after a 64-token prompt, 3.5 ms per token" in md and "agrees at 64 of 64" in md
+    assert gpu.json.loads((tmp_path / "gpu.json").read_text())["timing"][0]["B"] == 32
+
+
+def test_mixed_precision_training_part_trains_and_compares_the_forms(tmp_path, one_thread):
+    """``--mixed-precision-runs``' harness in float32 on CPU: a real fairseq-train, then the checkpoint's
+    loss in every form and chunk-form backend."""
+    row = gpu_training.train_and_evaluate(tmp_path, "s", "fp32", arch_suffix="_tiny", length=64, updates=3,
+                                          device="cpu")
+    assert row["ok"], row
+    assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]
+    assert set(row["forms"]) == set(gpu_training.FORMS) and row["forms_agree"]
