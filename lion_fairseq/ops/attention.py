@@ -124,13 +124,15 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         f = _gate(log_a_fwd, "log_a_fwd", B, H, L, torch.float64)
         b = _gate(log_a_bwd, "log_a_bwd", B, H, L, torch.float64)
         num, den = parallel_attention(q, k, v, f, b, causal)
+    elif form == "chunk" and not use_fla:  # normalises block by block itself; takes one gate per head as such
+        f = _gate(log_a_fwd, "log_a_fwd", B, H, L, dtype, expand=False)
+        b = _gate(log_a_bwd, "log_a_bwd", B, H, L, dtype, expand=False)
+        return chunk_attention(q, k, v, f, b, causal, chunk_size, normalize, eps).to(out_dtype)
     else:
         f = _gate(log_a_fwd, "log_a_fwd", B, H, L, dtype)
         b = _gate(log_a_bwd, "log_a_bwd", B, H, L, dtype)
         f = f.expand(B, H, L).contiguous() if f is not None else None
         b = b.expand(B, H, L).contiguous() if b is not None else None
-        if form == "chunk" and not use_fla:  # normalises block by block itself
-            return chunk_attention(q, k, v, f, b, causal, chunk_size, normalize, eps).to(out_dtype)
         if normalize:  # the normaliser rides along as a column of ones in v
             v = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
         if use_fla:

@@ -205,7 +205,9 @@ class _Grid(NamedTuple):
 
 def _grid(log_f: Optional[Tensor], log_b: Optional[Tensor], G: int, N: int, C: int, bidirectional: bool,
           dtype: torch.dtype, device: torch.device) -> _Grid:
+    """Gates ``(G, N*C)``, or ``(G, 1)``: one per head."""
     per = max(1, (BLOCK_TOKENS if device.type == "cpu" else BLOCK_TOKENS_GPU) // C)
+    log_f, log_b = (g.expand(G, N * C) if g is not None else None for g in (log_f, log_b))
     fwd, bwd = make_decay(log_f, C, dtype), make_decay(log_b, C, dtype) if bidirectional else None
     return _Grid(fwd, bwd, bidirectional, bidirectional and fwd is None and bwd is None, G, N,
                  [slice(i, min(i + per, G * N)) for i in range(0, G * N, per)])
@@ -240,7 +242,7 @@ def _sum_into(dst: Tensor, x: Tensor, dim: int) -> None:
 class _ChunkAttention(torch.autograd.Function):
     """``o = ((q k^T) * W) v`` on the chunk grid, divided by ``((q k^T) * W) 1 + eps`` when normalising:
     q, k ``(G*N, C, Dk)``, v ``(G*N, C, Dv)``, contiguous, head-major chunks (padded to N*C tokens);
-    log-gates ``(G, N*C)`` or None. The normaliser's states are ``(dirs*Dk,)`` vectors beside the
+    log-gates ``(G, N*C)``, ``(G, 1)`` (one per head) or None. The normaliser's states are ``(dirs*Dk,)`` vectors beside the
     ``(dirs*Dk, Dv)`` ones, so that every matmul is as wide as v (a column of ones in v would make them
     Dv + 1 wide, which the GEMM kernels run markedly slower). Training keeps every chunk's ``A`` and ``W``
     and the states for the backward pass (O(L*C + L*D) per head); inference, one block at a time."""
@@ -256,7 +258,7 @@ class _ChunkAttention(torch.autograd.Function):
             raise ValueError(f"the chunk form trains in float32; got {q.dtype} inputs that need gradients")
 
         def keep(shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:  # what the backward pass reads
-            return workspace.kept(shape, dtype, q.device) if train else q.new_empty(shape, dtype=dtype)
+            return workspace.kept(shape, dtype, q.device, ctx) if train else q.new_empty(shape, dtype=dtype)
 
         y = q.new_empty(v.shape, dtype=acc)
         # the chunks' own contributions (U) become the states entering them (E; Z for the normaliser),
@@ -314,8 +316,14 @@ class _ChunkAttention(torch.autograd.Function):
         dUZ = workspace("dUZ", Z.shape, Z.dtype, Z.device) if normalize else None
         # d loss / d (cumulative log-gate at t) = what t gains as a query minus what it gives as a key,
         # P_ij = M_ij (q_i . k_j)(do_i . v_j + dden_i); log_a_u enters every cumulative sum from u on.
-        dcum_f = q.new_zeros(M, C) if fwd is not None else None
-        dcum_b = q.new_zeros(M, C) if bwd is not None else None
+        # A per-head gate's gradient, the sum of those over L, cancels to a few parts in 1e4 at L = 8192
+        # (the rows and columns nearly cancel): it is summed pair by pair instead, heads[m, dir] collecting
+        # each chunk's sum_{pairs} (gates crossed inside the chunk) P_ij (_crossings).
+        per_head = [log_f is not None and log_f.shape[1] == 1, log_b is not None and log_b.shape[1] == 1]
+        dcum_f = q.new_zeros(M, C) if fwd is not None and not per_head[0] else None
+        dcum_b = q.new_zeros(M, C) if bwd is not None and not per_head[1] else None
+        heads = q.new_zeros(M, 2) if any(per_head) else None
+        cross = _crossings(C, q.dtype, q.device) if heads is not None else None
         for s in grid.blocks:
             n = s.stop - s.start
             A, W = As[s], Ws[s] if Ws is not None else None
@@ -332,15 +340,17 @@ class _ChunkAttention(torch.autograd.Function):
             torch.bmm(A.transpose(1, 2), dos, out=dv[s])
             if fwd is not None or bwd is not None:
                 X = torch.mul(A, dA, out=workspace("X", (n, C, C), q.dtype, q.device))  # P_ij inside the chunk
+                if heads is not None:  # pairs inside the chunk cross |i - j| gates of their direction
+                    heads[s] += (X.view(n, 1, C * C) @ cross.pair.view(C * C, 2)).view(n, 2)
                 rows, cols = X.sum(-1), X.sum(-2)
                 if grid.bidirectional:
                     X.tril_()
                     rows_f, cols_f = X.sum(-1), X.sum(-2)
                 else:
                     rows_f, cols_f = rows, cols
-                if fwd is not None:
+                if dcum_f is not None:
                     dcum_f[s] += rows_f - cols_f
-                if bwd is not None:
+                if dcum_b is not None:
                     dcum_b[s] += (cols - cols_f) - (rows - rows_f)
             if W is not None:
                 dA.mul_(W)
@@ -353,13 +363,22 @@ class _ChunkAttention(torch.autograd.Function):
                 dread.addcmul_(dden[:, :, None], Z[s, None, :])
                 torch.bmm(read.transpose(1, 2), dden[:, :, None], out=dZ[s, :, None])
             grid.add_scaled(dq[s], dread, "read", s)
-            if dcum_f is not None or dcum_b is not None:
+            if dcum_f is not None or dcum_b is not None or heads is not None:
                 gain = torch.mul(read, dread, out=dread).view(n, C, -1, Dk).sum(-1)
                 if dcum_f is not None:
                     dcum_f[s] += gain[..., 0]
                 if dcum_b is not None:
                     dcum_b[s] -= gain[..., 1]
+                if heads is not None:  # a query and the keys before (after) the chunk
+                    heads[s, :gain.shape[-1]] += (gain * cross.query[:gain.shape[-1]].T).sum(1)
         grid.states([dE, dZ] if normalize else [dE], [dU, dUZ] if normalize else [dU], adjoint=True)
+        if heads is not None:  # pairs on either side of a chunk cross all C of its gates
+            for d, decay in enumerate((fwd, bwd)[:grid.dirs()]):
+                part = slice(d * Dk, (d + 1) * Dk)
+                spans = (dU[:, part] * E[:, part]).sum((1, 2))
+                if normalize:
+                    spans += (dUZ[:, part] * Z[:, part]).sum(1)
+                heads[:, d] += C * spans * (decay.whole.view(-1) if decay is not None else 1.0)
         for s in grid.blocks:
             n = s.stop - s.start
             own = grid.stacked(k[s], "own", s)
@@ -368,15 +387,40 @@ class _ChunkAttention(torch.autograd.Function):
                 down += dUZ[s, None, :]
             dv[s].baddbmm_(own, dU[s])
             grid.add_scaled(dk[s], down, "own", s)
-            if dcum_f is not None or dcum_b is not None:
+            if dcum_f is not None or dcum_b is not None or heads is not None:
                 give = torch.mul(own, down, out=down).view(n, C, -1, Dk).sum(-1)
                 if dcum_f is not None:
                     dcum_f[s] -= give[..., 0]
                 if dcum_b is not None:
                     dcum_b[s] += give[..., 1]
-        dlog_f = _suffix_sum(dcum_f, G) if dcum_f is not None and ctx.needs_input_grad[3] else None
-        dlog_b = _suffix_sum(dcum_b, G) if dcum_b is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, dlog_f, dlog_b, None, None, None, None
+                if heads is not None:  # a key and the queries after (before) the chunk
+                    heads[s, :give.shape[-1]] += (give * cross.key[:give.shape[-1]].T).sum(1)
+        grads = []
+        for d, (dcum, needed) in enumerate(((dcum_f, ctx.needs_input_grad[3]), (dcum_b, ctx.needs_input_grad[4]))):
+            if not needed:
+                grads.append(None)
+            elif per_head[d]:
+                grads.append(heads[:, d].view(G, N).double().sum(1, keepdim=True).to(q.dtype))
+            else:
+                grads.append(_suffix_sum(dcum, G) if dcum is not None else None)
+        return dq, dk, dv, grads[0], grads[1], None, None, None, None
+
+
+class _Crossings(NamedTuple):
+    """How many of a chunk's gates a pair crosses, per direction (forward, backward): ``pair`` ``(C, C, 2)``
+    for a query i and key j inside the chunk; ``query`` ``(2, C)`` for query i and keys outside it (before
+    it forward, after it backward); ``key`` ``(2, C)`` for key j and queries outside it."""
+    pair: Tensor
+    query: Tensor
+    key: Tensor
+
+
+def _crossings(C: int, dtype: torch.dtype, device: torch.device) -> _Crossings:
+    i = torch.arange(C, device=device, dtype=dtype)
+    d = i[:, None] - i[None, :]
+    into, out_of = i + 1, C - 1 - i  # gates from the chunk's start to i, and after i to its end
+    return _Crossings(torch.stack([d.clamp(min=0), (-d).clamp(min=0)], -1), torch.stack([into, out_of]),
+                      torch.stack([out_of, into]))
 
 
 def _suffix_sum(dcum: Tensor, G: int) -> Tensor:
@@ -391,7 +435,8 @@ def _suffix_sum(dcum: Tensor, G: int) -> Tensor:
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
                     log_a_bwd: Optional[Tensor], causal: bool, chunk_size: int, normalize: bool = False,
                     eps: float = 1e-6) -> Tensor:
-    """q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)``; gates ``(B, H, L)`` or None. Returns ``(B, H, L, Dv)``:
+    """q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)``; gates ``(B, H, L)``, ``(b, h, 1)`` with b in {1, B} and
+    h in {1, H} (one per head: its gradient is summed pair by pair), or None. Returns ``(B, H, L, Dv)``:
     ``((q k^T) * M) v``, divided row by row by ``sum_j (q k^T * M)_ij + eps`` if ``normalize``.
 
     q, k, v in float32 (or float64), or in bfloat16 for inference: the matmuls then run in bfloat16 and
@@ -401,20 +446,29 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor]
     C = min(chunk_size, L)
     N = -(-L // C)
     pad = N * C - L
-    # The backward direction as a forward-style decay on gates shifted by one:
-    # b_i ... b_{j-1} = a'_{i+1} ... a'_j with a'_u = b_{u-1}.
-    log_b = F.pad(log_a_bwd[..., :-1], (1, 0)) if (log_a_bwd is not None and not causal) else None
-    log_f = log_a_fwd
-    if pad:  # zero tokens and gates of 1 at the end: they contribute nothing in either direction
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        log_f = F.pad(log_f, (0, pad)) if log_f is not None else None
-        log_b = F.pad(log_b, (0, pad)) if log_b is not None else None
     G = B * H
+
+    def per_token(g: Tensor, shift: bool) -> Tensor:  # (G, N*C), gates of 1 on the padding at the end
+        # the backward direction as a forward-style decay on gates shifted by one:
+        # b_i ... b_{j-1} = a'_{i+1} ... a'_j with a'_u = b_{u-1}
+        g = g.expand(B, H, L)
+        g = F.pad(g[..., :-1], (1, 0)) if shift else g
+        return (F.pad(g, (0, pad)) if pad else g).reshape(G, N * C)
+
+    def gate(g: Optional[Tensor], shift: bool) -> Optional[Tensor]:
+        if g is None:
+            return None
+        if g.shape[-1] == 1:  # one per head, (G, 1): the same after the shift, where a'_0 lies on no path
+            return g.expand(B, H, 1).reshape(G, 1)
+        return per_token(g, shift)
+
+    gates = [gate(log_a_fwd, False), gate(log_a_bwd, True) if not causal else None]
+    if pad:  # zero tokens at the end: they contribute nothing in either direction
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
 
     def chunks(x: Tensor) -> Tensor:  # (B, H, N*C, D) -> (B*H*N, C, D): a view unless x is strided
         return x.reshape(G * N, C, x.shape[-1]).contiguous()
 
-    gates = [x.reshape(G, N * C) if x is not None else None for x in (log_f, log_b)]
     y = _ChunkAttention.apply(chunks(q), chunks(k), chunks(v), *gates, N, not causal, normalize, eps)
     y = y.view(B, H, N * C, Dv)
     return y[:, :, :L] if pad else y

@@ -8,15 +8,17 @@ nothing, so the op keeps its own buffers:
 
 - ``workspace(name, ...)``: a named buffer for what never leaves one call (a block's temporaries, the
   states' contributions, the backward pass's state gradients), reused by the next call;
-- ``workspace.kept(...)``: a buffer for what the forward pass keeps for the backward pass, handed out
-  again once nothing holds it any more (its storage's use count, which torch exposes as
-  ``torch._C._storage_Use_Count``; without it these are allocated afresh).
+- ``workspace.kept(..., owner)``: a buffer for what the forward pass keeps for the backward pass, reserved
+  for as long as its owner lives (the autograd node that saved it: the graph that can still run its
+  backward), handed out again once the owner is gone. Who else holds the buffer is not asked: a
+  saved-tensor hook may keep it through its storage alone, which no use count sees.
 
 On CUDA, whose caching allocator already reuses memory, every call allocates. ``release()`` frees the
 calling thread's buffers."""
 import math
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -27,14 +29,6 @@ NAMED_MAX_BYTES = 256 << 20
 KEPT_MAX_BYTES = 2 << 30
 
 
-def _storage_use_count(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_use_count: Optional[Callable[[Tensor], int]] = (
-    _storage_use_count if hasattr(torch._C, "_storage_Use_Count") else None)
-
-
 def _bytes(n: int, dtype: torch.dtype) -> int:
     return n * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
 
@@ -42,7 +36,7 @@ def _bytes(n: int, dtype: torch.dtype) -> int:
 class Workspace(threading.local):
     def __init__(self) -> None:
         self.named: Dict[Tuple[str, torch.dtype], Tensor] = {}
-        self.kept_bufs: List[Tuple[Tensor, int]] = []  # (buffer, its use count when nothing else holds it)
+        self.kept_bufs: List[List[Any]] = []  # [buffer, weak reference to its owner, or None]
 
     def __call__(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A ``shape`` view of the buffer ``name``: valid until the next request of that name in this
@@ -55,23 +49,26 @@ class Workspace(threading.local):
             buf = self.named[(name, dtype)] = torch.empty(n, dtype=dtype)
         return buf[:n].view(shape)
 
-    def kept(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A ``shape`` tensor that may outlive the call (saved for backward): the smallest free buffer
-        that fits, else a new one."""
+    def kept(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, owner: Any) -> Tensor:
+        """A ``shape`` tensor that may outlive the call (saved for backward by ``owner``, which must take
+        weak references: an autograd ``ctx``): the smallest buffer that fits and whose owner is gone, else
+        a new one."""
         n = math.prod(shape)
-        if device.type != "cpu" or _use_count is None:
+        if device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         best = None
-        for buf, idle in self.kept_bufs:
-            if buf.dtype == dtype and buf.numel() >= n and _use_count(buf) <= idle:
-                if best is None or buf.numel() < best.numel():
-                    best = buf
+        for entry in self.kept_bufs:
+            buf, ref = entry
+            if buf.dtype == dtype and buf.numel() >= n and (ref is None or ref() is None):
+                if best is None or buf.numel() < best[0].numel():
+                    best = entry
         if best is None:
             if sum(_bytes(b.numel(), b.dtype) for b, _ in self.kept_bufs) + _bytes(n, dtype) > KEPT_MAX_BYTES:
                 return torch.empty(shape, dtype=dtype)
-            best = torch.empty(n, dtype=dtype)
-            self.kept_bufs.append((best, _use_count(best)))
-        return best[:n].view(shape)
+            best = [torch.empty(n, dtype=dtype), None]
+            self.kept_bufs.append(best)
+        best[1] = weakref.ref(owner)
+        return best[0][:n].view(shape)
 
     def release(self) -> None:
         """Forget this thread's buffers (those still in use live on with their users)."""
