@@ -142,17 +142,22 @@ def _mm(a, b, DT: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _decays(g):
-    """A chunk's cumulative log-gates ``a`` (float64, so that ``a_i - a_j`` stays exact where it is small
-    beside a: in float32 a chunk of 64 strong gates loses 1e-5 there), and its decays in float32: from its
-    start to i ``exp(a_i)``, from j to its end ``exp(a_last - a_j)``, and across it ``exp(a_last)``."""
+    """A chunk's cumulative log-gates ``a`` as float32 pairs ``hi + lo`` (summed in float64: in float32 a
+    chunk of 64 strong gates loses 1e-5 in ``a_i - a_j`` near the diagonal, where it is small beside a),
+    and its decays in float32: from its start to i ``exp(a_i)``, from j to its end ``exp(a_last - a_j)``,
+    and across it ``exp(a_last)``."""
     a = tl.cumsum(g.to(tl.float64), 0)
     last = tl.sum(g.to(tl.float64), 0)
-    return a, tl.exp(a.to(tl.float32)), tl.exp((last - a).to(tl.float32)), tl.exp(last.to(tl.float32))
+    hi = a.to(tl.float32)
+    lo = (a - hi.to(tl.float64)).to(tl.float32)
+    return hi, lo, tl.exp(hi), tl.exp((last - a).to(tl.float32)), tl.exp(last.to(tl.float32))
 
 
 @triton.jit
-def _in_chunk_decay(a, C: tl.constexpr, STRICT: tl.constexpr, HAS_GATE: tl.constexpr):
-    """``W_ij = exp(a_i - a_j)`` for i >= j (i > j when STRICT), else 0; a float64."""
+def _in_chunk_decay(hi, lo, C: tl.constexpr, STRICT: tl.constexpr, HAS_GATE: tl.constexpr):
+    """``W_ij = exp(a_i - a_j)`` for i >= j (i > j when STRICT), else 0, with ``a = hi + lo``. Below the
+    diagonal ``a_i <= a_j <= 0``: where they are within a factor of 2 ``hi_i - hi_j`` is exact (Sterbenz),
+    elsewhere the difference is as large as a_i, so float32 matrices give float64's accuracy."""
     i = tl.arange(0, C)[:, None]
     j = tl.arange(0, C)[None, :]
     if STRICT:
@@ -160,7 +165,8 @@ def _in_chunk_decay(a, C: tl.constexpr, STRICT: tl.constexpr, HAS_GATE: tl.const
     else:
         lower = i >= j
     if HAS_GATE:
-        W = tl.exp(tl.where(lower, (a[:, None] - a[None, :]).to(tl.float32), float("-inf")))
+        d = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
+        W = tl.exp(tl.where(lower, d, float("-inf")))
     else:
         W = tl.where(lower, 1.0, 0.0)
     return W
@@ -218,7 +224,7 @@ def _segment_sums(X, YV, DY, Y, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
             x = _rows(Xp, t, keep, sx_l, Dk, BK).to(tl.float32)
             y = _rows(YV + b * syv_b + h * syv_h, t, valid, syv_l, Dv, BV)
             w = tl.full((C,), 1.0, tl.float32)  # the normaliser's column of ones (x is 0 at padding)
-        a, read, own, decay = _decays(g)
+        hi, lo, read, own, decay = _decays(g)
         xs = x * own[:, None]
         if MOMENTS:
             xd = xs * dist[:, None]
@@ -267,8 +273,8 @@ def _forward_walk(Q, K, V, G, PAD, Y, DEN, S0, Z0,
         k = _rows(Kp, t, keep, sk_l, Dk, BK)
         v = _rows(Vp, t, valid, sv_l, Dv, BV)
         g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
-        a, read, own, decay = _decays(g)
-        A = _mm(q, tl.trans(k), DT, PREC) * _in_chunk_decay(a, C, STRICT, HAS_GATE)
+        hi, lo, read, own, decay = _decays(g)
+        A = _mm(q, tl.trans(k), DT, PREC) * _in_chunk_decay(hi, lo, C, STRICT, HAS_GATE)
         num = _mm(A, v, DT, PREC) + read[:, None] * _mm(q, S, SDT, PREC)
         den = tl.sum(A, 1) + read * tl.sum(q.to(tl.float32) * z[None, :], 1)
         ks = k.to(tl.float32) * own[:, None]
@@ -296,14 +302,16 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
                    sga_b, sga_h, sga_l, sgb_b, sgb_h, sgb_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
                    STRICT: tl.constexpr, ALONG: tl.constexpr, AGAINST: tl.constexpr, GATE_A: tl.constexpr,
-                   GATE_B: tl.constexpr, HAS_PAD: tl.constexpr, HAS_STATE: tl.constexpr, FIRST: tl.constexpr,
-                   NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr, DCUM_B: tl.constexpr, MOMENTS: tl.constexpr,
+                   GATE_B: tl.constexpr, HAS_PAD: tl.constexpr, S_IN: tl.constexpr, M_IN: tl.constexpr,
+                   G_IN: tl.constexpr, FIRST: tl.constexpr, NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr,
+                   DCUM_B: tl.constexpr, MOMENTS: tl.constexpr, P_SUMS: tl.constexpr,
                    DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
     """Gradients over one segment: the direction walked ``ALONG`` (gates GA: its dq from the state S, and
     its in-chunk dq, dk, dv) and the one walked ``AGAINST`` (gates GB read at the previous position: its
     dk, dv from the state G of earlier queries). ``FIRST``: the first walk, else its results are added to
     what is in DQ, DK, DV. RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
-    per-head gate's gradient of the segment (along direction)."""
+    per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first two is
+    wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero)."""
     bh = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     b = bh // H
@@ -315,9 +323,9 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
     DKp = DK + b * sdk_b + h * sdk_h
     DVp = DV + b * sdv_b + h * sdv_h
     idx = bh * tl.num_programs(1) + seg
-    S, z = _load_state(S0, Z0, idx, BK, BV, HAS_STATE and ALONG)
-    S1, z1 = _load_state(S10, Z10, idx, BK, BV, HAS_STATE and MOMENTS)
-    Gs, gz = _load_state(G0, GZ0, idx, BK, BV, HAS_STATE and AGAINST)
+    S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
+    S1, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN)
+    Gs, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN)
     ii = tl.arange(0, C)[:, None]
     jj = tl.arange(0, C)[None, :]
     pos = tl.arange(0, C).to(tl.float32)
@@ -341,8 +349,8 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
         qf = q.to(tl.float32)
         if ALONG:
             g = _gates(GA + b * sga_b + h * sga_h, t, valid, sga_l, GATE_A, C)
-            a, read, own, decay = _decays(g)
-            W = _in_chunk_decay(a, C, STRICT, GATE_A)
+            hi, lo, read, own, decay = _decays(g)
+            W = _in_chunk_decay(hi, lo, C, STRICT, GATE_A)
             A = _mm(q, tl.trans(k), DT, PREC) * W
             dA = _mm(do, tl.trans(v), DT, PREC) + dden[:, None]
             dAW = dA * W
@@ -351,7 +359,7 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
             dv += _mm(tl.trans(A), do, DT, PREC)
             dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
             dq += dq_in
-            if DCUM_A or MOMENTS:
+            if P_SUMS:
                 P = tl.where(ii > jj, A * dA, 0.0)  # the diagonal crosses no gate
                 gain = tl.sum(qf * dq_in, 1)  # P summed over the keys of earlier chunks
                 if DCUM_A:
@@ -369,7 +377,7 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
         if AGAINST:
             tp, vp = _before(t, valid, L, REVERSE)
             g2 = _gates(GB + b * sgb_b + h * sgb_h, tp, vp, sgb_l, GATE_B, C)
-            a2, read2, own2, decay2 = _decays(g2)
+            hi2, lo2, read2, own2, decay2 = _decays(g2)
             dk_in = read2[:, None] * (_mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :])
             dk += dk_in
             dv += read2[:, None] * _mm(k, Gs, SDT, PREC)
@@ -600,8 +608,9 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool,
             pad if pad is not None else dy, *states, dq, dk, dv, rca, rcb, mom,
             *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
             REVERSE=reverse, STRICT=reverse, ALONG=has_along, AGAINST=has_against, GATE_A=g_along is not None,
-            GATE_B=against is not None, HAS_PAD=pad is not None, HAS_STATE=cfg.nseg > 1, FIRST=n == 0,
-            NORMALIZE=normalize, DCUM_A=dcum_a, DCUM_B=dcum_b, MOMENTS=moments, DT=cfg.DT, SDT=cfg.SDT,
+            GATE_B=against is not None, HAS_PAD=pad is not None, S_IN=cfg.nseg > 1 and has_along,
+            M_IN=cfg.nseg > 1 and moments, G_IN=cfg.nseg > 1 and has_against, FIRST=n == 0, NORMALIZE=normalize,
+            DCUM_A=dcum_a, DCUM_B=dcum_b, MOMENTS=moments, P_SUMS=dcum_a or moments, DT=cfg.DT, SDT=cfg.SDT,
             **cfg.consts())
         grads[reverse] = (rca if dcum_a else None, rcb if dcum_b else None, mom if moments else None)
     df = _gate_grad(f, needs[3], grads[False][2], grads[False][0], grads[True][1], cfg, reverse=False)
