@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
+from .convert import is_softmax_roberta, softmax_to_lion
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
                            lion_positions, set_unset, set_unset_from)
 
@@ -230,6 +231,15 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
     @classmethod
     def hub_models(cls) -> Dict[str, str]:
         return {}
+
+    def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
+        """RoBERTa's renaming and head reconciliation, then a softmax RoBERTa's weights made this model's
+        (``models/convert.py``): what fairseq runs before every strict load, so ``--finetune-from-model
+        roberta.base/model.pt`` and ``--restore-file`` with ``--reset-*`` start LION from it."""
+        super().upgrade_state_dict_named(state_dict, name)
+        prefix = name + "." if name else ""
+        if is_softmax_roberta(state_dict, prefix):
+            softmax_to_lion(self, state_dict, prefix)
 
     @classmethod
     def add_args(cls, parser) -> None:
