@@ -24,10 +24,11 @@ TRAIN = ["--cpu", "--num-workers", "0", "--seed", "1", "--optimizer", "adam", "-
 
 @pytest.fixture(scope="module")
 def roberta(text_data_bin, tmp_path_factory):
-    """A tiny fairseq RoBERTa checkpoint (``--arch roberta_base`` at 2 x 64), dict.txt beside it."""
+    """A tiny fairseq RoBERTa checkpoint (``--arch roberta_base`` at 2 x 64, 40 updates: attention that is
+    not yet uniform), dict.txt beside it."""
     save = tmp_path_factory.mktemp("roberta")
     fairseq_cli("train", str(text_data_bin), *TRAIN, "--arch", "roberta_base", *SIZE, "--max-positions", "32",
-                "--max-update", "3", "--save-dir", str(save))
+                "--max-update", "40", "--lr", "0.002", "--save-dir", str(save))
     shutil.copy(text_data_bin / "dict.txt", save / "dict.txt")
     return save / "checkpoint_last.pt"
 
@@ -136,3 +137,52 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
                           "--arch", "lion_s_tiny", "--encoder-layers", "4"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "--encoder-layers" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_attention_transfer_trains_only_the_chosen_parts(roberta, text_data_bin, tmp_path):
+    """``--criterion lion_attention_transfer`` through fairseq-train: only q, k and the gates move, everything
+    else stays bit-identical to the converted start."""
+    fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,
+                "--criterion", "lion_attention_transfer", "--teacher", str(roberta), "--max-update", "4",
+                "--save-dir", str(tmp_path), "--finetune-from-model", str(roberta))
+    start = lion(text_data_bin, "lion_s_tiny")
+    start.load_state_dict(torch.load(roberta, map_location="cpu", weights_only=False)["model"], strict=True)
+    before = start.state_dict()
+    after = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    expect = {f"encoder.sentence_encoder.layers.{i}.self_attn.{p}" for i in (0, 1)
+              for p in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "gate_proj.weight",
+                        "gate_proj.bias")}
+    assert moved == expect
+
+
+def test_attention_transfer_loss_falls(roberta, text_data_bin):
+    """On one batch, Adam on what the criterion trains: the share of the teacher's attention output that
+    the LION attentions do not reproduce falls."""
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    task, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *SIZE, "--tokens-per-sample",
+                              "32", "--max-positions", "32", "--dropout", "0")
+    model.load_state_dict(torch.load(roberta, map_location="cpu", weights_only=False)["model"], strict=True)
+    criterion = CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))
+    task.load_dataset("valid")
+    batch = task.dataset("valid").collater([task.dataset("valid")[i] for i in range(8)])
+    opt = torch.optim.Adam([p for p in model.parameters()], lr=3e-3)
+
+    def share():
+        _, _, log = criterion(model, batch)
+        return float(log["rel_num"] / log["rel_den"])
+
+    first = share()
+    for _ in range(30):
+        opt.zero_grad()
+        criterion(model, batch)[0].backward()
+        opt.step()
+    assert share() < 0.7 * first
+
+
+def test_attention_transfer_refuses_unknown_parts(roberta, text_data_bin, tmp_path):
+    with pytest.raises(AssertionError, match="--transfer-params"):
+        fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,
+                    "--criterion", "lion_attention_transfer", "--teacher", str(roberta), "--transfer-params", "q,k",
+                    "--max-update", "1", "--save-dir", str(tmp_path))
