@@ -17,7 +17,6 @@ teacher's attention output not reproduced (``sum |s - a|^2 / sum |a|^2`` over la
 Start the student from the teacher (``--finetune-from-model`` the same checkpoint, models/convert.py),
 then train as usual from the transfer's checkpoint. With ``--fp16`` fairseq's optimizer steps every
 parameter with a zero gradient: keep ``--weight-decay 0`` (its default) so that nothing else moves."""
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
