@@ -292,3 +292,24 @@ def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, 
     out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, tmp_path / "none.pt", tmp_path],
                    ok=False)
     assert "PRETRAINED_CHECKPOINT" in out and "not found" in out
+
+
+def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path):
+    """``from_pretrained(checkpoint_dir, checkpoint, data_bin)`` as the README shows it, with no ``bpe=``:
+    the MLM's and the LM's hubs encode with the sentencepiece model preprocess.text wrote into the data
+    folder (issue 28: they split on whitespace, and the sentence came out mostly <unk>)."""
+    from lion_fairseq.models.lion_encoder import LionRobertaModel
+    from lion_fairseq.models.lion_lm import LionLanguageModel
+
+    sentence = "you may redistribute the program under the terms of this license ."  # the corpus is lower-case
+    ckpt, _ = mlm
+    roberta = LionRobertaModel.from_pretrained(str(ckpt.parent), ckpt.name, str(spm_data))
+    run(["fairseq-train", spm_data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
+         "lion_s_lm_tiny", "--tokens-per-sample", "64", "--batch-size", "4", "--max-update", "1", "--optimizer",
+         "adam", "--lr", "1e-4", "--cpu", "--num-workers", "0", "--save-dir", tmp_path, "--disable-validation"])
+    lm = LionLanguageModel.from_pretrained(str(tmp_path), "checkpoint_last.pt", str(spm_data))
+    for hub in (roberta, lm):
+        tokens = hub.encode(sentence)
+        unk = hub.task.source_dictionary.unk()
+        assert (tokens == unk).sum() == 0 and len(tokens) > len(sentence.split())
+        assert hub.decode(tokens).strip() == sentence

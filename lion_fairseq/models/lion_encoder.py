@@ -28,6 +28,7 @@ from torch import Tensor
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
 from .convert import is_softmax_roberta, softmax_to_lion
+from .hub import bpe_from_data
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
                            lion_positions, set_unset, set_unset_from)
 
@@ -192,10 +193,12 @@ class _WhitespaceTokens:
 
 class LionHubInterface(RobertaHubInterface):
     """RoBERTa's hub interface (``encode``, ``extract_features``, ``predict``, ``fill_mask``, ...) for
-    LION encoders, also for data without BPE (``bpe=None``: whitespace-separated dictionary units)."""
+    LION encoders: with no BPE passed or named by the checkpoint, the data's sentencepiece model
+    (``models/hub.py``), else whitespace-separated dictionary units."""
 
-    def __init__(self, cfg, task, model):
+    def __init__(self, cfg, task, model, folders=()):
         super().__init__(cfg, task, model)
+        bpe_from_data(self, [getattr(cfg.task, "data", None), *folders])
         if self.bpe is None:
             self.bpe = _WhitespaceTokens()
 
@@ -256,14 +259,17 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
                         data_name_or_path: str = ".", bpe: Optional[str] = None, **kwargs) -> LionHubInterface:
         """Load a checkpoint for inference: ``from_pretrained(checkpoint_dir, "checkpoint_best.pt",
-        data_bin_dir)``. ``bpe=None`` (default) reads whitespace-separated dictionary units; pass
-        ``bpe="sentencepiece", sentencepiece_model=...`` (or gpt2) for BPE data.
+        data_bin_dir)``. With ``bpe=None`` (default) and no BPE named by the checkpoint, inputs are encoded
+        with the ``sentencepiece.bpe.model`` that ``preprocess.text`` wrote into the data folder (or one
+        beside the checkpoint), else split on whitespace into dictionary units (word-level data).
         ``model_overrides``-style keys go in kwargs, e.g. ``lion_form="recurrent"``."""
         from fairseq import hub_utils
 
+        if bpe is not None:
+            kwargs["bpe"] = bpe
         x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
-                                      archive_map=cls.hub_models(), bpe=bpe, load_checkpoint_heads=True, **kwargs)
-        return LionHubInterface(x["args"], x["task"], x["models"][0])
+                                      archive_map=cls.hub_models(), load_checkpoint_heads=True, **kwargs)
+        return LionHubInterface(x["args"], x["task"], x["models"][0], folders=[model_name_or_path])
 
 
 # ---- architectures --------------------------------------------------------------------------------
