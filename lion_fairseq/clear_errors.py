@@ -2,10 +2,11 @@
 another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
 c10d`` on CPU. Each says what is wrong and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps three
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps four
 fairseq functions so that their failures carry such a message (the original error stays chained):
-``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset`` and
-``models.DistributedFairseqModel``. Without ``--user-dir`` nothing of this package runs, so fairseq's own
+``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
+``models.DistributedFairseqModel``, and ``Trainer.load_checkpoint`` (whose own 'please ensure that the
+architectures match' would otherwise be the last line a user reads). Without ``--user-dir`` nothing of this package runs, so fairseq's own
 ``KeyError: "'_name'"`` cannot be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains
 any checkpoint (missing, truncated, which model and arch, what to pass).
 
@@ -131,6 +132,10 @@ def install() -> None:
         data_utils.load_indexed_dataset = _wrap_load_indexed_dataset(data_utils.load_indexed_dataset)
     if not getattr(models.DistributedFairseqModel, "__lion_wrapped__", False):
         models.DistributedFairseqModel = _wrap_distributed_model(models.DistributedFairseqModel)
+    from fairseq.trainer import Trainer
+
+    if not getattr(Trainer.load_checkpoint, "__lion_wrapped__", False):
+        Trainer.load_checkpoint = _wrap_trainer_load_checkpoint(Trainer.load_checkpoint)
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------
@@ -155,12 +160,85 @@ def describe_weights(state_dict: Dict[str, torch.Tensor]) -> str:
     return f"{variant}, {len(layers)} layers, width {width}"
 
 
+def _facts(state_dict: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """What a LION model's weights say of its options: positions, variant, sizes, levers."""
+    keys = list(state_dict)
+
+    def first_shape(suffix: str):
+        return next((tuple(state_dict[k].shape) for k in keys if k.endswith(suffix)), None)
+
+    positions = first_shape("embed_positions.weight")
+    conv = first_shape("self_attn.conv_weight")
+    ffn = first_shape("fc1.weight")
+    return {
+        # learned positions: max_positions + padding_idx (1) + 1 rows
+        "positions": positions[0] - 2 if positions else None,
+        "variant": ("s" if any(".gate_proj." in k for k in keys) else
+                    "d" if any(k.endswith(".gate_logit") for k in keys) else "lit"),
+        "layers": len({m.group(1) for k in keys for m in [re.search(r"\blayers\.(\d+)\.", k)] if m}),
+        "width": first_shape("embed_tokens.weight")[-1] if first_shape("embed_tokens.weight") else None,
+        "ffn": ffn[0] if ffn else None,
+        "output gate": any(".self_attn.out_gate." in k for k in keys),
+        "short conv": conv[0] if conv else 0,
+        "norm after": any(".self_attn.head_norm." in k for k in keys),
+    }
+
+
+def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch.Tensor]) -> Optional[str]:
+    """The first option in which a checkpoint's weights and a model's differ, said with what to pass:
+    positions, variant, sizes, then the levers (None if the weights agree on all of them)."""
+    a, b = _facts(checkpoint), _facts(model)
+    stack = "decoder" if any(k.startswith("decoder.layers.") for k in model) else "encoder"
+    if a["positions"] != b["positions"]:
+        if a["positions"] is None or b["positions"] is None:
+            has = lambda n: f"{n} learned positions" if n else "no positions"  # noqa: E731
+            return (f"positions: the checkpoint has {has(a['positions'])} and the model {has(b['positions'])}; "
+                    f"pass --lion-positions {'learned' if a['positions'] else 'none'}")
+        option = "--tokens-per-sample" if stack == "decoder" else "--max-positions"
+        return (f"learned positions: the checkpoint has {a['positions']} and the model {b['positions']}; pass "
+                f"{option} {a['positions']} (the length it was trained with)")
+    if a["variant"] != b["variant"]:
+        return (f"the LION variant: the checkpoint is LION-{a['variant'].upper()} and the model "
+                f"LION-{b['variant'].upper()}; pass --arch of lion_{a['variant']}")
+    for fact, option in (("layers", f"--{stack}-layers"), ("width", f"--{stack}-embed-dim"),
+                         ("ffn", f"--{stack}-ffn-embed-dim")):
+        if a[fact] != b[fact]:
+            return f"{fact}: the checkpoint has {a[fact]} and the model {b[fact]}; pass {option} {a[fact]}"
+    for fact, option in (("output gate", "--lion-output-gate"), ("short conv", "--lion-short-conv"),
+                         ("norm after", "--lion-norm-after")):
+        if a[fact] != b[fact]:
+            return f"{fact}: the checkpoint has {a[fact]} and the model {b[fact]}; set {option} as the checkpoint has it"
+    return None
+
+
 def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], error: BaseException) -> str:
-    return (f"this checkpoint's weights do not fit the model being built: the checkpoint holds "
-            f"{describe_weights(state_dict)}; the model is {describe_weights(model.state_dict())}. Pass the "
-            "checkpoint's own --arch (and size options) to continue or fine-tune it; to start a different "
-            "architecture from scratch, drop --restore-file / --finetune-from-model (and use a new --save-dir, "
-            f"since fairseq-train reloads <save-dir>/checkpoint_last.pt). torch said: {str(error)[:600]}")
+    """One line, ending with the first real difference and what to pass (the line a user reads last)."""
+    difference = first_difference(state_dict, model.state_dict())
+    torch_said = " ".join(str(error).split())[:600]
+    return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said}). The checkpoint "
+            f"holds {describe_weights(state_dict)}; the model is {describe_weights(model.state_dict())}. To "
+            "continue or fine-tune it, build the model it was trained as; to start a different architecture "
+            "from scratch, drop --restore-file / --finetune-from-model (and use a new --save-dir, since "
+            "fairseq-train reloads <save-dir>/checkpoint_last.pt). "
+            + (f"They differ first in {difference}." if difference else
+               "Pass the checkpoint's own --arch and size options."))
+
+
+def _wrap_trainer_load_checkpoint(original):
+    """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
+    line a user reads: where the cause is this plugin's message, that message is raised last instead."""
+    @functools.wraps(original)
+    def load_checkpoint(self, filename, *args, **kwargs):
+        try:
+            return original(self, filename, *args, **kwargs)
+        except Exception as e:
+            cause = e.__cause__ or e.__context__
+            if "architectures match" in str(e) and cause is not None and (
+                    "do not fit the model being built" in str(cause) or isinstance(cause, ValueError)):
+                raise CheckpointError(f"cannot start from {filename}: {cause}") from e
+            raise
+    load_checkpoint.__lion_wrapped__ = True
+    return load_checkpoint
 
 
 class ClearLoadErrors:

@@ -249,3 +249,37 @@ def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, me
         fairseq_cli("train", str(text_data_bin), *COMMON, "--task", "masked_lm", "--criterion", "masked_lm",
                     "--arch", "lion_d_tiny", "--batch-size", "4", "--max-update", "1", "--save-dir", str(tmp_path), *bad)
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
+    """Fine-tuning LION-LIT with the README's --max-positions 512 from an MLM trained on 64-token samples
+    (issue 28): the error names the learned positions and what to pass, and is the last thing printed,
+    after fairseq's own 'please ensure that the architectures match'."""
+    mlm_save, _ = mlm("lit")
+    data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
+    with pytest.raises(AssertionError) as failed:
+        fairseq_cli("train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion",
+                    "sentence_prediction", "--arch", "lion_lit_tiny", "--num-classes", "2", "--init-token", "0",
+                    "--separator-token", "2", "--max-positions", "512", "--restore-file",
+                    str(mlm_save / "checkpoint_last.pt"), "--reset-optimizer", "--reset-dataloader",
+                    "--reset-meters", "--batch-size", "8", "--max-update", "1", "--save-dir", str(tmp_path / "ft"))
+    last = [line for line in str(failed.value).splitlines() if line.strip()][-1]
+    assert "learned positions: the checkpoint has 64 and the model 512; pass --max-positions 64" in last, last
+
+
+def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
+    from lion_fairseq.clear_errors import first_difference
+    from conftest import build_model
+
+    def weights(*args):
+        return build_model(text_data_bin, "masked_lm", "--tokens-per-sample", "64", *args)[1].state_dict()
+
+    base = weights("--arch", "lion_s_tiny")
+    assert "LION-D and the model LION-S" in first_difference(weights("--arch", "lion_d_tiny"), base)
+    assert "pass --encoder-layers 3" in first_difference(weights("--arch", "lion_s_tiny", "--encoder-layers", "3"), base)
+    assert "--encoder-ffn-embed-dim 256" in first_difference(
+        weights("--arch", "lion_s_tiny", "--encoder-ffn-embed-dim", "256"), base)
+    assert "--lion-output-gate" in first_difference(weights("--arch", "lion_s_tiny", "--lion-output-gate"), base)
+    assert "--lion-positions learned" in first_difference(
+        weights("--arch", "lion_s_tiny", "--lion-positions", "learned"), base)
+    assert first_difference(base, weights("--arch", "lion_s_tiny")) is None
