@@ -18,3 +18,10 @@ from . import tasks  # noqa: E402,F401
 from . import criterions  # noqa: E402,F401
 from . import clear_errors  # noqa: E402  (clear messages for broken checkpoints, data, DDP backends)
 clear_errors.install()
+
+# the hub classes, as ``from lion_fairseq import LionRobertaModel``
+from .models.lion_encoder import LionRobertaModel  # noqa: E402
+from .models.lion_lm import LionLanguageModel  # noqa: E402
+from .models.lion_transformer import LionTransformerModel  # noqa: E402
+
+__all__ = ["LionLanguageModel", "LionRobertaModel", "LionTransformerModel"]

@@ -283,3 +283,10 @@ def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     assert "--lion-positions learned" in first_difference(
         weights("--arch", "lion_s_tiny", "--lion-positions", "learned"), base)
     assert first_difference(base, weights("--arch", "lion_s_tiny")) is None
+
+
+def test_hub_classes_import_from_the_package():
+    """``from lion_fairseq import LionRobertaModel`` as a user writes it after the README (issue 28)."""
+    from lion_fairseq import LionLanguageModel, LionRobertaModel, LionTransformerModel
+
+    assert all(hasattr(c, "from_pretrained") for c in (LionLanguageModel, LionRobertaModel, LionTransformerModel))
