@@ -242,6 +242,16 @@ def table(what: str, rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def mean_curve(curves: List[List[Tuple[int, float]]]) -> Tuple[List[int], List[float]]:
+    """(updates, mean loss) over seeds, at the updates every seed logged."""
+    pts: Dict[int, List[float]] = {}
+    for curve in curves:
+        for u, v in curve:
+            pts.setdefault(u, []).append(v)
+    xs = sorted(u for u, v in pts.items() if len(v) == len(curves))
+    return xs, [statistics.mean(pts[u]) for u in xs]
+
+
 def plot(what: str, rows: List[Dict], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
@@ -252,12 +262,7 @@ def plot(what: str, rows: List[Dict], path: Path) -> bool:
         by.setdefault(r["model"], []).append(r)
     for ax, split in zip(axes, ("train", "valid")):
         for name, rs in by.items():
-            pts: Dict[int, List[float]] = {}
-            for r in rs:
-                for u, v in r["curves"][split]:
-                    pts.setdefault(u, []).append(v)
-            xs = sorted(u for u, v in pts.items() if len(v) == len(rs))  # updates every seed logged
-            ax.plot(xs, [statistics.mean(pts[u]) for u in xs], label=name)
+            ax.plot(*mean_curve([r["curves"][split] for r in rs]), label=name)
         ax.set_xlabel("update")
         ax.set_ylabel(f"{split} loss (bits, mean over seeds)")
         ax.set_title(f"{what}: {split} loss")

@@ -43,3 +43,16 @@ def bpe_from_data(hub, folders: Iterable[Optional[str]]) -> None:
                   f"{' or '.join(f for f in folders if f)}: inputs are split on whitespace into dictionary "
                   "entries (right for word-level data; for BPE data pass bpe=..., e.g. bpe='sentencepiece', "
                   "sentencepiece_model=...)", stacklevel=3)
+
+
+class DataBpeHub:
+    """Mixin for fairseq models whose ``from_pretrained`` gives fairseq's ``GeneratorHubInterface``
+    (``sample``/``generate``, ``translate``): with no BPE passed or named by the checkpoint, the data's
+    ``sentencepiece.bpe.model`` encodes the inputs (``bpe_from_data``)."""
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
+                        data_name_or_path: str = ".", **kwargs):
+        hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+        bpe_from_data(hub, [getattr(hub.cfg.task, "data", None), model_name_or_path])
+        return hub

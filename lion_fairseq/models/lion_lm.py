@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
-from .hub import bpe_from_data
+from .hub import DataBpeHub
 from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset
 
 # Without learned positions nothing bounds the context: report a length no data set reaches, so fairseq
@@ -163,17 +163,8 @@ class LionLMDecoder(FairseqIncrementalDecoder):
 
 
 @register_model("lion_lm", dataclass=LionLMConfig)
-class LionLanguageModel(ClearLoadErrors, FairseqLanguageModel):
+class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
     """A causal LION language model for ``--task language_modeling``."""
-
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
-                        data_name_or_path: str = ".", **kwargs):
-        """fairseq's hub interface (``sample``/``generate``); with no BPE passed or named by the
-        checkpoint, the data's ``sentencepiece.bpe.model`` encodes the inputs (``models/hub.py``)."""
-        hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
-        bpe_from_data(hub, [getattr(hub.cfg.task, "data", None), model_name_or_path])
-        return hub
 
     @classmethod
     def add_args(cls, parser) -> None:

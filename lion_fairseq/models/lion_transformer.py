@@ -26,7 +26,7 @@ from omegaconf import II
 from ..clear_errors import ClearLoadErrors
 from ..modules.encoder_layer import LionEncoderLayer
 from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
-from .hub import bpe_from_data
+from .hub import DataBpeHub
 from .lion_options import LionOptions, arch_filling, fix_lion_flags, lion_attention_kwargs, set_unset
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
@@ -111,18 +111,9 @@ class LionTransformerDecoder(TransformerDecoderBase):
 
 
 @register_model("lion_transformer", dataclass=LionTransformerConfig)
-class LionTransformerModel(ClearLoadErrors, TransformerModelBase):
+class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
     """``TransformerModel`` with LION self-attention: the same forward, generator and hub interface
     (``from_pretrained(...).translate(...)``)."""
-
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
-                        data_name_or_path: str = ".", **kwargs):
-        """fairseq's hub interface (``sample``/``generate``, ``translate``); with no BPE passed or named by the
-        checkpoint, the data's ``sentencepiece.bpe.model`` encodes the inputs (``models/hub.py``)."""
-        hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
-        bpe_from_data(hub, [getattr(hub.cfg.task, "data", None), model_name_or_path])
-        return hub
 
     @classmethod
     def add_args(cls, parser):

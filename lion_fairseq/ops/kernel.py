@@ -63,6 +63,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ---------------------------------------------------------------------------------------------- helpers
 
 @triton.jit
+def _program(H):
+    """This program's (batch x head) index (int64, for offsets past 2^31), its second grid index, and
+    the batch and head it serves."""
+    bh = tl.program_id(0).to(tl.int64)
+    return bh, tl.program_id(1), bh // H, bh % H
+
+
+@triton.jit
 def _positions(c, L, C: tl.constexpr, REVERSE: tl.constexpr):
     """Frame positions p of chunk c, their physical positions t, and whether those exist. Both frames cut
     the sequence at the same multiples of C (the reversed one starts with the last chunk's missing
@@ -198,10 +206,7 @@ def _segment_sums(X, YV, DY, Y, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
     log-gates. ``GRAD=False``: ``sum_j decay_j k_j v_j^T`` (keys X = k, YV = v, the direction's own gates).
     ``GRAD=True``: ``sum_i decay_i q_i do_i^T`` (X = q; do from DY, Y, DEN; the gates of the previous
     position). ``MOMENTS``: also the distance-weighted sums of a per-head gate's gradient."""
-    bh = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    bh, seg, b, h = _program(H)
     Xp = X + b * sx_b + h * sx_h
     Gp = G + b * sg_b + h * sg_h
     S = tl.zeros((BK, BV), tl.float32)
@@ -255,10 +260,7 @@ def _forward_walk(Q, K, V, G, PAD, Y, DEN, S0, Z0,
     """One direction over one segment: in-chunk attention plus what the queries read from the state.
     ``FIRST``: the first direction, its result left in Y (``n/(d+eps)``, or n) and DEN (d); otherwise that
     is read back and added; ``LAST``: the final output and row sums are written."""
-    bh = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
     Vp = V + b * sv_b + h * sv_h
@@ -312,10 +314,7 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
     what is in DQ, DK, DV. RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
     per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first two is
     wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero)."""
-    bh = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
     Vp = V + b * sv_b + h * sv_h
@@ -407,10 +406,7 @@ def _global_apply(Q, K, V, DY, Y, DEN, PAD, S0, Z0, G0, GZ0, DQ, DK, DV,
     """Bidirectional attention without decay (LION-LIT): every query reads the one total state.
     ``GRAD=False``: y = q S / (q . z + eps) (or q S); ``GRAD=True``: dq from (S, z), dk and dv from the
     total (G, gz) of the queries' side. One program per chunk."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    bh, c, b, h = _program(H)
     p, valid, t = _positions(c, L, C, False)
     S, z = _load_state(S0, Z0, bh, BK, BV, True)
     if GRAD:
