@@ -1,6 +1,6 @@
 """Starting LION from a trained softmax model, measured at CPU scale (issue 27):
 
-    python -m lion_fairseq.benchmark.uptrain               # masked LM, 3 seeds: about 40 minutes on 2 cores
+    python -m lion_fairseq.benchmark.uptrain               # masked LM, 3 seeds: about 25 minutes on 2 cores
 
 Per seed, on the demo's corpus at ``benchmark.quality``'s size (2 layers x 128, 2 heads, FFN 512, 16 x 128
 tokens a batch, Adam at lr 1e-3, inverse_sqrt with 60 warm-up updates, dropout 0.1), all through
