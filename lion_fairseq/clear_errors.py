@@ -142,22 +142,12 @@ def install() -> None:
 
 def describe_weights(state_dict: Dict[str, torch.Tensor]) -> str:
     """A LION model's shape read from its weights: variant, layers, width (or 'not a LION model')."""
-    keys = list(state_dict)
-    layers = {int(m.group(1)) for k in keys for m in [re.search(r"\blayers\.(\d+)\.", k)] if m}
-    width = None
-    for k in keys:
-        if k.endswith("embed_tokens.weight"):
-            width = tuple(state_dict[k].shape)[-1]
-            break
-    if any(".gate_proj." in k for k in keys):
-        variant = "lion_s (a gate per token)"
-    elif any(k.endswith(".gate_logit") for k in keys):
-        variant = "lion_d (one gate per head)"
-    elif any(".self_attn.q_proj." in k for k in keys):
-        variant = "lion_lit (no gates) or a softmax Transformer"
-    else:
-        variant = "not a LION model"
-    return f"{variant}, {len(layers)} layers, width {width}"
+    facts = _facts(state_dict)
+    variant = {"s": "lion_s (a gate per token)", "d": "lion_d (one gate per head)"}.get(facts["variant"])
+    if variant is None:
+        variant = ("lion_lit (no gates) or a softmax Transformer" if any(".self_attn.q_proj." in k for k in state_dict)
+                   else "not a LION model")
+    return f"{variant}, {facts['layers']} layers, width {facts['width']}"
 
 
 def _facts(state_dict: Dict[str, torch.Tensor]) -> Dict[str, Any]:
@@ -170,13 +160,14 @@ def _facts(state_dict: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     positions = first_shape("embed_positions.weight")
     conv = first_shape("self_attn.conv_weight")
     ffn = first_shape("fc1.weight")
+    tokens = first_shape("embed_tokens.weight")
     return {
         # learned positions: max_positions + padding_idx (1) + 1 rows
         "positions": positions[0] - 2 if positions else None,
         "variant": ("s" if any(".gate_proj." in k for k in keys) else
                     "d" if any(k.endswith(".gate_logit") for k in keys) else "lit"),
         "layers": len({m.group(1) for k in keys for m in [re.search(r"\blayers\.(\d+)\.", k)] if m}),
-        "width": first_shape("embed_tokens.weight")[-1] if first_shape("embed_tokens.weight") else None,
+        "width": tokens[-1] if tokens else None,
         "ffn": ffn[0] if ffn else None,
         "output gate": any(".self_attn.out_gate." in k for k in keys),
         "short conv": conv[0] if conv else 0,

@@ -251,8 +251,9 @@ def fla_missing(device: str = "cuda") -> Optional[str]:
 def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, device: str = "cuda") -> Dict:
     import torch
 
-    if impl.endswith("fla") and fla_missing(device):
-        return {"fwd_ms": "not run: " + fla_missing(device)}
+    missing = fla_missing(device) if impl.endswith("fla") else None
+    if missing:
+        return {"fwd_ms": "not run: " + missing}
     run = runner(impl)
     inputs = make_inputs(B, H, L, D, torch.bfloat16, gates_of(impl), grad=True, device=device)
     grad_out = torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16)

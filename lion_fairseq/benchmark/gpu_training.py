@@ -93,6 +93,15 @@ def losses(log: str) -> List[float]:
     return [float(e["loss"]) for e in log_entries(log)]
 
 
+def set_form(model: torch.nn.Module, form: str) -> None:
+    """Every LION attention of ``model`` computes in ``form`` from now on."""
+    from lion_fairseq.modules import LionAttention
+
+    for m in model.modules():
+        if isinstance(m, LionAttention):
+            m.form = form
+
+
 def form_losses(checkpoint: Path, data: Path, length: int, device: str) -> Dict[str, float]:
     """The checkpoint's loss (nats per token) on the first ``length``-token block of the valid split, in
     float32, in each form of ``FORMS`` (``chunk-<backend>``: the chunk form on that backend)."""
@@ -109,9 +118,7 @@ def form_losses(checkpoint: Path, data: Path, length: int, device: str) -> Dict[
     before = os.environ.get("LION_BACKEND")
     for form in FORMS:
         os.environ["LION_BACKEND"] = form.split("-")[1] if "-" in form else (before or "torch")
-        for m in model.modules():
-            if hasattr(m, "form") and hasattr(m, "chunk_size"):
-                m.form = form.split("-")[0]
+        set_form(model, form.split("-")[0])
         with torch.no_grad():
             logits = model(source)[0].float()
         out[form] = float(torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1)))
@@ -253,9 +260,7 @@ def recurrent_decoding(checkpoint: Path, device: str = "cuda", prompt_tokens: in
         tokens = hypo["tokens"]
         generated = tokens[n:n + new_tokens]  # the generator ends on an end of sentence it forces at max_len
         model = hub.models[0]
-        for m in model.modules():
-            if hasattr(m, "form") and hasattr(m, "chunk_size"):
-                m.form = "parallel"
+        set_form(model, "parallel")
         # the generator's first input is the end-of-sentence marker, then the tokens so far
         inputs = torch.cat([tokens.new_tensor([hub.task.dictionary.eos()]), tokens[:-1]])[None].to(device)
         best = model(inputs)[0][0].argmax(-1)[n:n + len(generated)]

@@ -118,11 +118,13 @@ def prepare_recall(root: Path, pairs: int, train_lines: int, seed: int = 0) -> P
 
 
 def train_command(what: str, data: Path, save: Path, flags: List[str], updates: int, seed: int,
-                  tokens: int, lr: float, warmup: int) -> List[str]:
-    """``fairseq-train`` for one model of ``what``; only ``flags`` (the arch and its options) differ."""
+                  tokens: int, lr: float, warmup: int, keep: bool = False) -> List[str]:
+    """``fairseq-train`` for one model of ``what``; only ``flags`` (the arch and its options) differ.
+    ``keep``: a masked LM keeps its last checkpoint in ``save``."""
     argv = console("fairseq-train") + [str(data), "--user-dir", user_dir_path(), *flags]
     if what == "mlm":
-        argv += ["--task", "masked_lm", "--criterion", "masked_lm", "--no-save"]
+        argv += ["--task", "masked_lm", "--criterion", "masked_lm"]
+        argv += ["--save-dir", str(save), "--no-epoch-checkpoints"] if keep else ["--no-save"]
     else:
         # positions for eval-lm at 4x (transformer_lm's sinusoids; LION-S has none)
         argv += ["--task", "language_modeling", "--criterion", "cross_entropy", "--max-target-positions", str(LONG),

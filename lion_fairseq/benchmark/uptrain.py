@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 from ..demo.commands import console, python_module, run, shown
 from ..user_dir import path as user_dir_path
 from .plotting import pyplot
-from .quality import TINY_ENC, TOKENS, curves, mean_curve, prepare_text, spread
+from .quality import TINY_ENC, TOKENS, curves, mean_curve, prepare_text, spread, train_command
 
 ROWS = ["teacher", "lion_lit converted, step 0", "lion_d converted, step 0", "lion_s converted, step 0",
         "lion_lit uptrained", "lion_d uptrained", "lion_s uptrained", "lion_s transfer alone",
@@ -42,14 +42,9 @@ def train(root: Path, data: Path, tag: str, flags: List[str], updates: int, seed
     """One ``fairseq-train`` run that keeps its last checkpoint: ``{"checkpoint", "curve", "seconds",
     "command"}``."""
     save = root / "checkpoints" / tag
-    argv = console("fairseq-train") + [
-        str(data), "--user-dir", user_dir_path(), "--task", "masked_lm", "--criterion", "masked_lm",
-        "--tokens-per-sample", str(TOKENS), "--sample-break-mode", "none", "--optimizer", "adam",
-        "--adam-betas", "(0.9,0.98)", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates",
-        str(warmup), "--dropout", "0.1", "--batch-size", "16", "--required-batch-size-multiple", "1",
-        "--max-update", str(updates), "--seed", str(seed), "--num-workers", "0", "--cpu", "--log-format", "json",
-        "--log-interval", "20", "--save-dir", str(save), "--no-epoch-checkpoints", "--validate-interval-updates",
-        str(validate_every), "--save-interval-updates", str(10 ** 9), *flags]
+    # benchmark.quality's masked-LM run; ``flags`` last, so that they win (the transfer's criterion)
+    argv = train_command("mlm", data, save, [], updates, seed, TOKENS, 1e-3, warmup, keep=True) + [
+        "--validate-interval-updates", str(validate_every), "--save-interval-updates", str(10 ** 9), *flags]
     log, seconds = run(argv, root / "logs" / f"{tag}.log", what=f"training {tag}")
     return {"checkpoint": save / "checkpoint_last.pt", "curve": curves(log)["valid"], "seconds": round(seconds, 1),
             "command": shown(argv)}

@@ -362,7 +362,7 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
                 P = tl.where(ii > jj, A * dA, 0.0)  # the diagonal crosses no gate
                 gain = tl.sum(qf * dq_in, 1)  # P summed over the keys of earlier chunks
                 if DCUM_A:
-                    _store_row_sums(RCA + bh * L, tl.sum(P, 1) - tl.sum(P, 0) + gain, t, valid)
+                    tl.store(RCA + bh * L + t, tl.sum(P, 1) - tl.sum(P, 0) + gain, mask=valid)
                 if MOMENTS:
                     far = read[:, None] * (_mm(do, tl.trans(S1), SDT, PREC) + dden[:, None] * z1[None, :])
                     mom += tl.sum(P * (ii - jj).to(tl.float32), 1) + (pos + 1) * gain + tl.sum(qf * far, 1)
@@ -381,7 +381,7 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
             dk += dk_in
             dv += read2[:, None] * _mm(k, Gs, SDT, PREC)
             if DCUM_B:  # minus P summed over the queries of earlier chunks (zero at padded keys)
-                _store_row_sums(RCB + bh * L, -tl.sum(k.to(tl.float32) * dk_in, 1), t, valid)
+                tl.store(RCB + bh * L + t, -tl.sum(k.to(tl.float32) * dk_in, 1), mask=valid)
             qs = qf * own2[:, None]
             Gs = decay2 * Gs + _mm(tl.trans(qs), do, DT, PREC)
             gz = decay2 * gz + tl.sum(qs * dden[:, None], 0)
@@ -390,11 +390,6 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
         _store_rows(DVp, dv, t, valid, sdv_l, Dv, BV)
     if MOMENTS:
         tl.store(MOM + idx, tl.sum(mom, 0))
-
-
-@triton.jit
-def _store_row_sums(ptr, x, t, valid):
-    tl.store(ptr + t, x, mask=valid)
 
 
 @triton.jit
@@ -573,19 +568,17 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool,
             GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, SDT=cfg.SDT, **cfg.consts())
         return dq, dk, dv, None, None
     # walking right: the forward direction along (dq, in-chunk), the backward one against (its dk, dv);
-    # walking left: the other way round. A causal call has no backward direction.
-    walks = [(False, f, None if causal else b), (True, None if causal else b, f)]
+    # walking left: the other way round. A causal call has no backward direction (and b is None).
+    walks = [(False, f, b), (True, b, f)]
     grads = {}
-    for n, (reverse, along, against) in enumerate(walks):
+    for n, (reverse, g_along, against) in enumerate(walks):
         has_along = not (reverse and causal)
-        g_along = along if has_along else None
         which_along = 4 if reverse else 3  # index into needs of the along gate, and of the against gate
         which_against = 3 if reverse else 4
         moments = has_along and _per_head(g_along) and needs[which_along]
         dcum_a = has_along and g_along is not None and not _per_head(g_along) and needs[which_along]
         dcum_b = against is not None and not _per_head(against) and needs[which_against]
         has_against = reverse or not causal
-        states = []
         if cfg.nseg > 1:
             s_side = (_segment_states(cfg, reverse, g_along, pad, k, v, moments=moments) if has_along
                       else [dy, dy])
@@ -610,8 +603,7 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool,
             **cfg.consts())
         grads[reverse] = (rca if dcum_a else None, rcb if dcum_b else None, mom if moments else None)
     df = _gate_grad(f, needs[3], grads[False][2], grads[False][0], grads[True][1], cfg, reverse=False)
-    db = None if causal else _gate_grad(b, needs[4], grads[True][2], grads[True][0], grads[False][1], cfg,
-                                        reverse=True)
+    db = _gate_grad(b, needs[4], grads[True][2], grads[True][0], grads[False][1], cfg, reverse=True)
     return dq, dk, dv, df, db
 
 

@@ -36,7 +36,7 @@ def _bytes(n: int, dtype: torch.dtype) -> int:
 class Workspace(threading.local):
     def __init__(self) -> None:
         self.named: Dict[Tuple[str, torch.dtype], Tensor] = {}
-        self.kept_bufs: List[List[Any]] = []  # [buffer, weak reference to its owner, or None]
+        self.kept_bufs: List[List[Any]] = []  # [buffer, weak reference to its owner]
 
     def __call__(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A ``shape`` view of the buffer ``name``: valid until the next request of that name in this
@@ -59,7 +59,7 @@ class Workspace(threading.local):
         best = None
         for entry in self.kept_bufs:
             buf, ref = entry
-            if buf.dtype == dtype and buf.numel() >= n and (ref is None or ref() is None):
+            if buf.dtype == dtype and buf.numel() >= n and ref() is None:
                 if best is None or buf.numel() < best[0].numel():
                     best = entry
         if best is None:
@@ -67,7 +67,7 @@ class Workspace(threading.local):
                 return torch.empty(shape, dtype=dtype)
             best = [torch.empty(n, dtype=dtype), None]
             self.kept_bufs.append(best)
-        best[1] = weakref.ref(owner)
+        best[1] = weakref.ref(owner)  # set before anyone reads it: the owner is alive now
         return best[0][:n].view(shape)
 
     def release(self) -> None:
