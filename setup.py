@@ -7,7 +7,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["lion_fairseq", "lion_fairseq.*"]),
+    # preprocess/ (python -m preprocess.text, .glue, .lra) is installed too, so that it runs from any folder
+    packages=find_packages(include=["lion_fairseq", "lion_fairseq.*", "preprocess"]),
     # torch is the user's own (CPU wheel here, their CUDA build on a cluster), and fairseq comes from
     # ve-fairseq installed with --no-deps on Python 3.11 (its metadata pulls torchaudio): neither is
     # named here, so installing this package never replaces them. See README "Install".

@@ -1,12 +1,14 @@
 """Clear messages for faults users meet with fairseq: a truncated or corrupt checkpoint, a checkpoint of
 another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
-c10d`` on CPU. Each says what is wrong and what to pass; none changes what a working run does.
+c10d`` on CPU, a misspelled ``--model-overrides`` key, ``fairseq-eval-lm`` on samples longer than the
+model's positions. Each says what is wrong and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps four
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps five
 fairseq functions so that their failures carry such a message (the original error stays chained):
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
-``models.DistributedFairseqModel``, and ``Trainer.load_checkpoint`` (whose own 'please ensure that the
-architectures match' would otherwise be the last line a user reads). Without ``--user-dir`` nothing of this package runs, so fairseq's own
+``models.DistributedFairseqModel``, ``Trainer.load_checkpoint`` (whose own 'please ensure that the
+architectures match' would otherwise be the last line a user reads) and
+``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line). Without ``--user-dir`` nothing of this package runs, so fairseq's own
 ``KeyError: "'_name'"`` cannot be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains
 any checkpoint (missing, truncated, which model and arch, what to pass).
 
@@ -17,7 +19,9 @@ torch before 2.5 has no such allowance (``torch.serialization.safe_globals``), a
 """
 import argparse
 import contextlib
+import difflib
 import functools
+import logging
 import os
 import re
 import sys
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
@@ -76,7 +82,7 @@ def _wrap_load_checkpoint_to_cpu(original):
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         try:
             with _namespace_allowed():
-                return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
+                state = original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
         except (RuntimeError, EOFError, ValueError) as e:
             if isinstance(e, CheckpointError) or not os.path.isfile(str(path)):
                 raise
@@ -86,8 +92,73 @@ def _wrap_load_checkpoint_to_cpu(original):
                     or "pickle" in text.lower() or "central directory" in text:
                 raise CheckpointError(unreadable_checkpoint_message(str(path), e)) from e
             raise
+        unknown = unknown_override_message(state.get("cfg"), arg_overrides or {})
+        if unknown:
+            raise ValueError(f"{path}: {unknown}")
+        return state
     load_checkpoint_to_cpu.__lion_wrapped__ = True
     return load_checkpoint_to_cpu
+
+
+def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with ``overrides`` (``--model-overrides``, the hub's keyword arguments) that fairseq
+    would ignore without a word: a key the checkpoint's config (``cfg``, after the overrides) does not have
+    and that is a LION option or a near miss of one it has (``lion_fom``). None if nothing is. Other unknown
+    keys are left to fairseq: its own tools pass some that no config holds (the hub's
+    ``load_checkpoint_heads``). Configs kept as an ``argparse.Namespace`` take any key, so say nothing."""
+    from omegaconf import DictConfig
+
+    if not isinstance(cfg, DictConfig):
+        return None
+    known = set(cfg.keys())
+    for section in cfg.values():
+        if isinstance(section, DictConfig):
+            known.update(section.keys())
+        elif isinstance(section, argparse.Namespace):
+            return None
+    wrong = []
+    for key in sorted(set(overrides) - known):
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if near or key.startswith("lion_"):
+            wrong.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not an option of this model'})")
+    if not wrong:
+        return None
+    model = cfg.get("model")
+    arch = model.get("_name", "?") if isinstance(model, DictConfig) else "?"
+    return (f"--model-overrides (or the hub's keyword arguments) name what this checkpoint's config ({arch}) "
+            f"does not have: {', '.join(wrong)}. fairseq would ignore them and run as trained; spell the "
+            "option as its --flag without the dashes, with underscores (--lion-form -> 'lion_form')")
+
+
+def _wrap_eval_lm_dataloader(original):
+    @functools.wraps(original)
+    def eval_lm_dataloader(self, dataset, *args, **kwargs):
+        names = ["max_tokens", "batch_size", "max_positions"]
+        limit = dict(zip(names, args)).get("max_positions", kwargs.get("max_positions"))
+        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample)
+        if message and self.args.tokens_per_sample > limit:
+            raise ValueError(message)
+        if message:
+            logger.warning(message)
+        return original(self, dataset, *args, **kwargs)
+    eval_lm_dataloader.__lion_wrapped__ = True
+    return eval_lm_dataloader
+
+
+def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int) -> Optional[str]:
+    """What fairseq-eval-lm would silently leave out: samples of ``sizes`` (tokens, a numpy array) longer
+    than the model's ``limit`` positions (an int; None or a tuple: no check). None if nothing."""
+    if sizes is None or not isinstance(limit, int) or len(sizes) == 0:
+        return None
+    longer = sizes > limit
+    if not longer.any():
+        return None
+    return (f"fairseq-eval-lm: {int(longer.sum())} of {len(sizes)} samples are longer than the model's {limit} "
+            f"positions, and fairseq skips them: the loss would cover {int(sizes[~longer].sum())} of "
+            f"{int(sizes.sum())} tokens. The model has learned positions (LION-LIT's default, --lion-positions "
+            f"learned), {limit} of them: pass --tokens-per-sample {min(limit, tokens_per_sample)} or less (with "
+            "--context-window N to give each scored token more context within them); to score beyond the "
+            "training length use a model trained with --lion-positions none (LION-D and LION-S's default)")
 
 
 def _wrap_load_indexed_dataset(original):
@@ -122,7 +193,7 @@ def _wrap_distributed_model(original):
 
 
 def install() -> None:
-    """Wrap fairseq's checkpoint reader, dataset loader and DDP wrapper (idempotent)."""
+    """Wrap fairseq's checkpoint readers, dataset loader, DDP wrapper and eval-lm batches (idempotent)."""
     from fairseq import checkpoint_utils, models
     from fairseq.data import data_utils
 
@@ -136,6 +207,10 @@ def install() -> None:
 
     if not getattr(Trainer.load_checkpoint, "__lion_wrapped__", False):
         Trainer.load_checkpoint = _wrap_trainer_load_checkpoint(Trainer.load_checkpoint)
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    if not getattr(LanguageModelingTask.eval_lm_dataloader, "__lion_wrapped__", False):
+        LanguageModelingTask.eval_lm_dataloader = _wrap_eval_lm_dataloader(LanguageModelingTask.eval_lm_dataloader)
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------

@@ -214,6 +214,8 @@ def run(args: argparse.Namespace) -> Path:
                 raw[split].write_text("".join(l + "\n" for l in t.labels), encoding="utf-8")
             binarize(work / "label.dict.txt", raw, stage / "label", args.workers)
         shutil.rmtree(work)
+        # beside the binaries, where the hubs' from_pretrained(..., data_bin) looks for the model to encode with
+        shutil.copyfile(args.spm, stage / vocab.MODEL_NAME)
         manifest = {
             "tool": "preprocess.glue", "command": getattr(args, "command", None),
             "rows": {s: len(t.line_numbers) for s, t in tables.items()},

@@ -252,9 +252,9 @@ def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, me
 
 
 def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
-    """Fine-tuning LION-LIT with the README's --max-positions 512 from an MLM trained on 64-token samples
-    (issue 28): the error names the learned positions and what to pass, and is the last thing printed,
-    after fairseq's own 'please ensure that the architectures match'."""
+    """Fine-tuning LION-LIT with --max-positions 512 (the README's value when issue 28 was filed) from an
+    MLM trained on 64-token samples: the error names the learned positions and what to pass, and is the
+    last thing printed, after fairseq's own 'please ensure that the architectures match'."""
     mlm_save, _ = mlm("lit")
     data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
     with pytest.raises(AssertionError) as failed:

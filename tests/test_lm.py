@@ -85,6 +85,8 @@ def test_training_loss_falls(trained):
     # the checkpoint reloads under torch's weights_only default (dataclass config, no Namespace)
     state = torch.load(ckpt, weights_only=True)
     assert state["cfg"]["model"]["_name"] == "lion_s_lm_tiny"
+    # the log says what ran: form, chunk size (--lion-chunk-size 16) and the chunk form's backend
+    assert "LION attention: chunk form (chunks of 16) on torch, cpu, float32 inputs" in log
 
 
 EVAL = ["--gen-subset", "valid", "--tokens-per-sample", "64", "--batch-size", "8", "--num-workers", "0"]
@@ -167,6 +169,16 @@ def test_hub_sample_and_interactive(trained, text_data_bin):
     torch.manual_seed(0)
     out = hub.sample(["the python", "a list of"], beam=1, sampling=True, sampling_topk=10, max_len_b=8)
     assert all(o.startswith(p) and len(o.split()) > len(p.split()) for o, p in zip(out, ["the python", "a list of"]))
+    # lengths count new tokens, for prompts of different lengths in one call and for prompts longer than
+    # the length asked for (fairseq's own hub gave the first 5 words of the long prompt and nothing more)
+    from lion_fairseq import LionLanguageModel
+
+    hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin)).eval()
+    prompts = ["the python language is a list of items and the value of the object is the name", "if", "a list of"]
+    for out in (hub.sample(prompts, beam=1, sampling=True, sampling_topk=10, max_len_b=5, min_len=5),
+                [hub.decode(h[0]["tokens"]) for h in hub.generate([hub.encode(p) for p in prompts], beam=3,
+                                                                   max_len_b=5, min_len=5)]):
+        assert [o.split()[:-5] for o in out] == [p.split() for p in prompts], out
 
     proc = fairseq_cli("interactive", str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling",
                        "--path", str(ckpt), "--beam", "2", "--max-len-b", "6", "--num-workers", "0",
@@ -300,3 +312,28 @@ def test_a_padded_decoding_step_leaves_the_state_unchanged(variant):
     torch.testing.assert_close(padded[1][:, 0], skipped[0][:, 0])  # row 0: as if the pad never came
     torch.testing.assert_close(padded[1][:, 1], plain[1][:, 1])  # row 1: stepped through token 3
     assert not torch.allclose(skipped[0][:, 0], plain[1][:, 0])  # the check has teeth: token 3 matters
+
+
+def test_eval_lm_past_learned_positions_is_refused(text_data_bin, tmp_path):
+    """LION-LIT trained with 64 learned positions, scored with --tokens-per-sample 256: fairseq-eval-lm
+    would skip every sample longer than 64 with one log line and print a loss over the few left (issue
+    28); it stops instead, saying how much would be left out and what to pass. At 64 it scores them all."""
+    train(text_data_bin, tmp_path, 2, "--arch", "lion_lit_lm_tiny")
+    ckpt = tmp_path / "checkpoint_last.pt"
+    with pytest.raises(ValueError, match=r"longer than the model's 64 positions.*pass --tokens-per-sample 64") as e:
+        eval_lm_in_process(text_data_bin, ckpt, "--tokens-per-sample", "256")
+    covered, total = map(int, re.search(r"cover (\d+) of (\d+) tokens", str(e.value)).groups())
+    assert covered < total / 10
+    assert 3.0 < eval_lm_in_process(text_data_bin, ckpt) < 20.0
+
+
+def test_misspelled_model_override_is_refused(trained, text_data_bin):
+    """A misspelled --model-overrides key (or hub keyword) would be ignored by fairseq, which would run the
+    checkpoint as trained; it stops naming the key and the option it is near."""
+    from lion_fairseq import LionLanguageModel
+
+    ckpt, _ = trained
+    with pytest.raises(ValueError, match=r"'lion_fom' \(did you mean 'lion_form'\)"):
+        eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_fom': 'recurrent'}")
+    with pytest.raises(ValueError, match=r"'lion_chunk' \(did you mean 'lion_chunk_size'\)"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk=8)

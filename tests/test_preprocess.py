@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,11 @@ VOCAB = 400
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
-    """``python -m preprocess.<module> ...`` from the repo root, as a user would."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", f"preprocess.{module}", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    """``python -m preprocess.<module> ...`` as a user runs it, from a folder outside the checkout: the
+    installed package's (setup.py installs preprocess/ with lion_fairseq), not the checkout's by chance."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-m", f"preprocess.{module}", *args], cwd=tempfile.gettempdir(),
+                          env=dict(env, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=300)
 
 
 def leftovers(parent: Path):
@@ -168,6 +170,8 @@ def test_glue_pairs_load_in_sentence_prediction(glue_tsvs, text_bin, tmp_path, c
     assert (out / "input0" / "dict.txt").read_text() == (text_bin / "dict.txt").read_text()
     assert (out / "label" / "dict.txt").read_text().split() == ["entailment", "40", "not_entailment", "20"]
     assert not (out / "label" / "test.bin").exists() and leftovers(tmp_path) == []
+    # the sentencepiece model goes with the data, for the hub (LionRobertaModel.from_pretrained(..., out))
+    assert (out / "sentencepiece.bpe.model").read_bytes() == (text_bin / "sentencepiece.bpe.model").read_bytes()
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(text_bin / "sentencepiece.bpe.model"))
     task = sentence_prediction_task(out, num_classes=2)

@@ -141,6 +141,13 @@ def test_glue_finetune_from_pretrained(glue_data, mlm, tmp_path):
     name = "encoder.sentence_encoder.layers.0.fc1.weight"
     assert (tuned["model"][name] - pre[name]).abs().max() < 1e-3
     assert (pre[name]).abs().max() > 1e-2
+    # the hub as glue/README.md shows it, with no bpe=: it encodes with the model prepare.sh left in the data
+    from lion_fairseq import LionRobertaModel
+
+    hub = LionRobertaModel.from_pretrained(str(tmp_path), "checkpoint_last.pt", str(glue_data))
+    tokens = hub.encode("the value of the object", "a list of items")
+    assert (tokens == hub.task.source_dictionary.unk()).sum() == 0
+    assert hub.predict("sentence_classification_head", tokens).shape == (1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +177,14 @@ def test_lm_train_eval_generate(wiki_data, tmp_path):
     vocab = sum(1 for _ in open(wiki_data / "dict.txt")) + 4
     assert 1.0 < loss < math.log2(vocab) + 3  # trained for 5 updates: near, not far above, uniform
 
-    out = run(["bash", RECIPES / "lm/generate.sh", wiki_data, ckpt], stdin="the python language\nif the\n",
-              MAX_LEN="6")
+    # MAX_LEN counts new tokens: a prompt longer than it comes back whole and continued (fairseq's
+    # --max-len-b alone would cut it to its first MAX_LEN tokens); --min-len (which counts the prompt) at
+    # prompt + MAX_LEN keeps the untrained model from stopping early, so exactly MAX_LEN are generated
+    prompt = "the python language is a list of items and the value of the object is the name of the function"
+    out = run(["bash", RECIPES / "lm/generate.sh", wiki_data, ckpt, "--min-len", str(len(prompt.split()) + 6)],
+              stdin=prompt + "\n", MAX_LEN="6")
     hyps = [line.split("\t")[2] for line in out.splitlines() if line.startswith("H-")]
-    assert len(hyps) == 2 and hyps[0].startswith("the python language") and hyps[1].startswith("if the")
-    assert all(len(h.split()) > 3 for h in hyps)
+    assert len(hyps) == 1 and hyps[0].startswith(prompt) and len(hyps[0].split()) == len(prompt.split()) + 6, hyps
 
 
 def test_translation_prepare_train_generate(tmp_path):

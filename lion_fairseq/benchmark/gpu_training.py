@@ -249,11 +249,11 @@ def recurrent_decoding(checkpoint: Path, device: str = "cuda", prompt_tokens: in
     prompt = hub.encode(" ".join(words))[:-1]  # without the end of sentence
     n = len(prompt)
     with torch.no_grad():
-        hub.generate([prompt], beam=1, sampling=False, max_len_b=n + 4, min_len=n + 4)  # warm-up
+        hub.generate([prompt], beam=1, sampling=False, max_len_b=4, min_len=4)  # warm-up
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        hypo = hub.generate([prompt], beam=1, sampling=False, max_len_b=n + new_tokens, min_len=n + new_tokens)[0][0]
+        hypo = hub.generate([prompt], beam=1, sampling=False, max_len_b=new_tokens, min_len=new_tokens)[0][0]
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

@@ -33,14 +33,13 @@ def state_floats(checkpoint: Path) -> Tuple[int, int, int]:
 
 def generate(checkpoint: Path, data: Path, prompt: str, seed: int, max_len: int = 40) -> Dict[str, str]:
     """Continuations of ``prompt``: ``sampled`` (top-k 10) and ``beam`` (beam 4, no repeated 3-grams),
-    each at least 12 new tokens (a barely trained model would often end the text at once)."""
+    each 12 to ``max_len`` new tokens (a barely trained model would often end the text at once)."""
     from lion_fairseq.models.lion_lm import LionLanguageModel
 
     hub = LionLanguageModel.from_pretrained(str(checkpoint.parent), checkpoint.name, str(data),
                                             lion_form="recurrent", **_sentencepiece(data))
     hub.eval()
-    # the generator counts the prompt's tokens in min_len (they are its forced prefix)
-    min_len = len(hub.encode(prompt)) + 12
+    min_len = 12  # the LION LM's hub counts lengths after the prompt
     torch.manual_seed(seed)
     with torch.no_grad():
         sampled = hub.sample(prompt, beam=1, sampling=True, sampling_topk=10, temperature=0.8, min_len=min_len,

@@ -8,7 +8,11 @@ import argparse
 import logging
 import os
 import warnings
-from typing import Iterable, Optional
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional
+
+import torch
+from fairseq.hub_utils import GeneratorHubInterface
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +49,55 @@ def bpe_from_data(hub, folders: Iterable[Optional[str]]) -> None:
                   "sentencepiece_model=...)", stacklevel=3)
 
 
+class ContinuationHubInterface(GeneratorHubInterface):
+    """fairseq's ``GeneratorHubInterface`` for a language model, with lengths counted after the prompt:
+    ``sample(prompt, max_len_b=N)`` continues each prompt by up to ``max_len_a * len(prompt) + N`` tokens,
+    and ``min_len`` counts new tokens too. fairseq's own counts the prompt in, so a prompt longer than N
+    came back cut to its first N tokens with nothing generated.
+
+    The generator's length limit is one number per batch, so prompts are generated in groups of one
+    length (each group still one batch of fairseq's)."""
+
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
+                 skip_invalid_size_inputs: bool = False, inference_step_args=None, prefix_allowed_tokens_fn=None,
+                 **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+        if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
+            return self.generate(tokenized_sentences.unsqueeze(0), beam, verbose, skip_invalid_size_inputs,
+                                 inference_step_args, prefix_allowed_tokens_fn, **kwargs)[0]
+        per_prompt = kwargs.pop("max_len_a", self.cfg.generation.max_len_a)
+        new = kwargs.pop("max_len_b", self.cfg.generation.max_len_b)
+        min_new = kwargs.pop("min_len", self.cfg.generation.min_len)
+        eos = self.task.source_dictionary.eos()
+        groups: Dict[int, List[int]] = defaultdict(list)
+        for i, tokens in enumerate(tokenized_sentences):
+            # encode() ends a prompt with </s>, which the task strips before it becomes the prefix
+            groups[len(tokens) - int(len(tokens) > 0 and tokens[-1] == eos)].append(i)
+        outputs: List[Optional[List[Dict[str, torch.Tensor]]]] = [None] * len(tokenized_sentences)
+        for prompt, ids in groups.items():
+            hypos = super().generate([tokenized_sentences[i] for i in ids], beam, verbose, skip_invalid_size_inputs,
+                                     inference_step_args, prefix_allowed_tokens_fn, max_len_a=0,
+                                     max_len_b=prompt + int(per_prompt * prompt + new), min_len=prompt + min_new,
+                                     **kwargs)
+            # a group is skipped whole or not at all (skip_invalid_size_inputs goes by length)
+            for i, h in zip(ids, hypos):
+                outputs[i] = h
+        return [h for h in outputs if h is not None]
+
+
 class DataBpeHub:
-    """Mixin for fairseq models whose ``from_pretrained`` gives fairseq's ``GeneratorHubInterface``
-    (``sample``/``generate``, ``translate``): with no BPE passed or named by the checkpoint, the data's
-    ``sentencepiece.bpe.model`` encodes the inputs (``bpe_from_data``)."""
+    """Mixin for fairseq models whose ``from_pretrained`` gives a ``GeneratorHubInterface``
+    (``sample``/``generate``, ``translate``; the class in ``hub_interface``): with no BPE passed or named by
+    the checkpoint, the data's ``sentencepiece.bpe.model`` encodes the inputs (``bpe_from_data``)."""
+
+    hub_interface = GeneratorHubInterface
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
-                        data_name_or_path: str = ".", **kwargs):
-        hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+                        data_name_or_path: str = ".", **kwargs) -> GeneratorHubInterface:
+        from fairseq import hub_utils
+
+        x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                      archive_map=cls.hub_models(), **kwargs)
+        hub = cls.hub_interface(x["args"], x["task"], x["models"])
         bpe_from_data(hub, [getattr(hub.cfg.task, "data", None), model_name_or_path])
         return hub

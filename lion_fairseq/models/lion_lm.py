@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
-from .hub import DataBpeHub
+from .hub import ContinuationHubInterface, DataBpeHub
 from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset
 
 # Without learned positions nothing bounds the context: report a length no data set reaches, so fairseq
@@ -164,7 +164,10 @@ class LionLMDecoder(FairseqIncrementalDecoder):
 
 @register_model("lion_lm", dataclass=LionLMConfig)
 class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
-    """A causal LION language model for ``--task language_modeling``."""
+    """A causal LION language model for ``--task language_modeling``; ``from_pretrained`` gives fairseq's
+    ``sample``/``generate`` with lengths counted after the prompt (``ContinuationHubInterface``)."""
+
+    hub_interface = ContinuationHubInterface
 
     @classmethod
     def add_args(cls, parser) -> None:

@@ -1,4 +1,6 @@
 """``lion_attention``: argument checks and the choice of form. The math lives in the form modules."""
+import functools
+import logging
 from typing import Optional, Tuple
 
 import torch
@@ -13,6 +15,16 @@ from .parallel import parallel_attention
 from .recurrent import recurrent_attention
 
 FORMS = ("parallel", "chunk", "recurrent")
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_what_runs(form: str, chunk_size: int, backend: str, device: str, dtype: torch.dtype) -> None:
+    """One log line per combination that runs in this process: what a run's log cannot otherwise show
+    (which backend the chunk form fell to, and the form a ``--model-overrides`` switched to)."""
+    how = f"chunk form (chunks of {chunk_size}) on {backend}" if form == "chunk" else f"{form} form"
+    logger.info(f"LION attention: {how}, {device}, {str(dtype).replace('torch.', '')} inputs")
 
 
 def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: torch.dtype,
@@ -99,6 +111,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     out_dtype = v.dtype
     which = chunk_backend(backend, v, (q.shape[-1], v.shape[-1]), fla_available, fla_unavailable) \
         if form == "chunk" else "torch"
+    _log_what_runs(form, chunk_size, which, v.device.type, v.dtype)
     if which == "triton":
         from .kernel import kernel_attention
 
