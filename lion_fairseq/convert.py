@@ -1,23 +1,143 @@
-"""``python -m lion_fairseq.convert IN OUT --arch lion_s [options]``: a softmax RoBERTa checkpoint (e.g.
-``roberta.base/model.pt``) written as a LION encoder's (``models/convert.py`` says what is copied, dropped
-and added), loadable by the hub (``LionRobertaModel.from_pretrained``), ``--restore-file`` and
-``--finetune-from-model``, with a dataclass config (so it reloads under torch's ``weights_only``).
+"""``python -m lion_fairseq.convert IN OUT --arch ARCH [options]``: a softmax fairseq checkpoint (RoBERTa,
+transformer_lm or transformer) written as a LION model's, loadable by the hub, --restore-file and
+--finetune-from-model.
 
-The teacher's sizes (layers, width, FFN, heads, positions) are taken from the checkpoint unless given;
-``--data`` is the folder of the teacher's ``dict.txt`` (default: the checkpoint's own folder, as in
-fairseq's released tarballs). Any other fairseq option of the arch may follow (``--lion-*``, ...)."""
+The arch says which LION model, and so which teacher:
+
+- RoBERTa (e.g. ``roberta.base/model.pt``) with ``--arch lion_s`` (``lion_d``, ``lion_lit_large`` ...);
+- ``transformer_lm`` with ``--arch lion_s_lm`` (``lion_lit_lm``, ``lion_d_lm_tiny`` ...);
+- ``transformer`` (translation) with ``--arch lion_s_transformer`` (``_iwslt_de_en``, ``_tiny`` ...).
+
+``models/convert.py`` says what is copied, dropped and added. The file has a dataclass config, so it
+reloads under torch's ``weights_only``.
+
+The teacher's sizes and the structure its weights do not show (heads, activation, pre- or post-norm,
+positions, tied embeddings, languages) are taken from its checkpoint unless given; ``--data`` is the folder
+of the teacher's dictionaries (default: the checkpoint's own folder, as in fairseq's released tarballs).
+Any other fairseq option of the arch may follow (``--lion-*``, ...)."""
 import argparse
 import os
+import string
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .clear_errors import PACKAGE_DIR, _safe_load
 
-SIZE_FLAGS = {"encoder_layers": "--encoder-layers", "encoder_embed_dim": "--encoder-embed-dim",
-              "encoder_ffn_embed_dim": "--encoder-ffn-embed-dim", "encoder_attention_heads": "--encoder-attention-heads",
-              "max_positions": "--max-positions"}
+
+@dataclass(frozen=True)
+class Target:
+    """A LION model kind as a conversion builds it, and what of its teacher's config it takes."""
+    teacher: str                            # the fairseq model it starts from
+    task: Tuple[str, ...]                   # task and criterion options to build it
+    criterion: str                          # that criterion's class name, as fairseq records it
+    hub: str                                # the class whose from_pretrained loads the result
+    dictionaries: Tuple[str, ...]           # the data folder's files, formatted with the teacher's config
+    values: Dict[str, Tuple[str, ...]]      # teacher config key -> the options that take its value
+    switches: Dict[str, Tuple[str, ...]]    # teacher config key -> (option when true[, option when false])
+
+
+def _sizes(*stacks: str) -> Dict[str, Tuple[str, ...]]:
+    return {f"{s}_{k}": (f"--{s}-{k.replace('_', '-')}",) for s in stacks
+            for k in ("layers", "embed_dim", "ffn_embed_dim", "attention_heads")}
+
+
+TARGETS = {
+    "lion_roberta": Target(
+        teacher="roberta", task=("--task", "masked_lm", "--criterion", "masked_lm", "--load-checkpoint-heads"),
+        criterion="MaskedLmLoss", hub="LionRobertaModel", dictionaries=("dict.txt",),
+        values=dict(_sizes("encoder"), max_positions=("--max-positions", "--tokens-per-sample")),
+        switches=dict(encoder_normalize_before=("--encoder-normalize-before",),
+                      layernorm_embedding=("--layernorm-embedding", "--no-layernorm-embedding"),
+                      untie_weights_roberta=("--untie-weights-roberta",))),
+    "lion_lm": Target(
+        teacher="transformer_lm", task=("--task", "language_modeling", "--criterion", "cross_entropy"),
+        criterion="CrossEntropyCriterion", hub="LionLanguageModel", dictionaries=("dict.txt",),
+        values=dict(_sizes("decoder"), activation_fn=("--activation-fn",), tokens_per_sample=("--tokens-per-sample",),
+                    max_target_positions=("--max-target-positions",)),
+        switches=dict(decoder_normalize_before=("--decoder-normalize-before", "--no-decoder-normalize-before"),
+                      no_decoder_final_norm=("--no-decoder-final-norm",),
+                      share_decoder_input_output_embed=("--share-decoder-input-output-embed",),
+                      no_scale_embedding=("--no-scale-embedding",))),
+    "lion_transformer": Target(
+        teacher="transformer", task=("--task", "translation", "--criterion", "cross_entropy"),
+        criterion="CrossEntropyCriterion", hub="LionTransformerModel",
+        dictionaries=("dict.{source_lang}.txt", "dict.{target_lang}.txt"),
+        values=dict(_sizes("encoder", "decoder"), activation_fn=("--activation-fn",), source_lang=("--source-lang",),
+                    target_lang=("--target-lang",), max_source_positions=("--max-source-positions",),
+                    max_target_positions=("--max-target-positions",)),
+        switches={k: ("--" + k.replace("_", "-"),) for k in (
+            "encoder_normalize_before", "decoder_normalize_before", "encoder_learned_pos", "decoder_learned_pos",
+            "no_token_positional_embeddings", "share_decoder_input_output_embed", "share_all_embeddings",
+            "no_scale_embedding", "layernorm_embedding")}),
+}
+
+
+def teacher_config(state: Dict) -> Dict[str, Any]:
+    """The options a checkpoint was trained with, flat: legacy ``args``, or the dataclass ``cfg``'s task
+    then model (the model's win)."""
+    if state.get("args") is not None:
+        return dict(vars(state["args"]))
+    cfg = state.get("cfg") or {}
+    config: Dict[str, Any] = {}
+    for part in ("task", "model"):
+        source = cfg.get(part)
+        if source is not None:
+            # an argparse.Namespace: legacy models' config, also inside cfg
+            config.update(source if hasattr(source, "get") else vars(source))
+    return config
+
+
+def teacher_flags(config: Dict[str, Any], target: Target, extra: List[str]) -> List[str]:
+    """The command-line options that give the LION model its teacher's sizes and structure, leaving out
+    any the user passed (in either spelling of a switch)."""
+    flags: List[str] = []
+    for key, options in target.values.items():
+        for option in options:
+            if config.get(key) is not None and option not in extra:
+                flags += [option, str(config[key])]
+    for key, options in target.switches.items():
+        value = config.get(key)
+        if value is None or any(o in extra for o in options):
+            continue
+        if value:
+            flags.append(options[0])
+        elif len(options) > 1:
+            flags.append(options[1])
+    return flags
+
+
+def target_of(arch: str, config: Dict[str, Any]) -> Target:
+    """The LION model kind of ``arch``; refuses an arch of none, or one that does not start from the teacher."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    kind = ARCH_MODEL_NAME_REGISTRY.get(arch)
+    if kind not in TARGETS:
+        raise ValueError(f"--arch {arch} is not a LION arch that a softmax checkpoint converts into: pick one of "
+                         "lion_{lit,d,s}[_large|_tiny] (RoBERTa), lion_{lit,d,s}_lm[_tiny] (transformer_lm), "
+                         "lion_{lit,d,s}_transformer[_iwslt_de_en|_tiny] (transformer)")
+    target = TARGETS[kind]
+    teacher = ARCH_MODEL_NAME_REGISTRY.get(config.get("arch") or config.get("_name"))
+    if teacher is not None and teacher != target.teacher:
+        starts = {t.teacher: name for name, t in TARGETS.items()}
+        hint = (f"a {starts[teacher]} arch" if teacher in starts
+                else "a checkpoint of RoBERTa, transformer_lm or transformer")
+        raise ValueError(f"the checkpoint is a fairseq {teacher}, and --arch {arch} starts from a {target.teacher}: "
+                         f"pick {hint}")
+    return target
+
+
+def check_dictionaries(data: str, target: Target, config: Dict[str, Any]) -> None:
+    """Each dictionary the model is built with, named from the teacher's config, must be in ``data``; one
+    whose name the config lacks (languages not recorded) is left to fairseq, which infers it from the data."""
+    for pattern in target.dictionaries:
+        if any(field and config.get(field) is None for _, field, _, _ in string.Formatter().parse(pattern)):
+            continue
+        name = pattern.format(**config)
+        if not os.path.isfile(os.path.join(data, name)):
+            raise FileNotFoundError(f"no {name} in {data}: pass --data <the folder of the teacher's {name}>")
 
 
 def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, extra: Optional[List[str]] = None):
@@ -26,30 +146,22 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from omegaconf import OmegaConf
 
-    from .models.convert import teacher_sizes
-
     extra = list(extra or [])
     state = _safe_load(checkpoint)
+    config = teacher_config(state)
+    target = target_of(arch, config)
     data = data or os.path.dirname(os.path.abspath(checkpoint))
-    if not os.path.isfile(os.path.join(data, "dict.txt")):
-        raise FileNotFoundError(f"no dict.txt in {data}: pass --data <the folder of the teacher's dict.txt>")
-    sizes = teacher_sizes(state)
-    flags = []
-    for key, flag in SIZE_FLAGS.items():
-        if sizes.get(key) is not None and flag not in extra:
-            flags += [flag, str(sizes[key])]
-    if sizes.get("max_positions") is not None and "--tokens-per-sample" not in extra:
-        flags += ["--tokens-per-sample", str(sizes["max_positions"])]
+    check_dictionaries(data, target, config)
     parser = options.get_training_parser()
-    ns = options.parse_args_and_arch(parser, [data, "--user-dir", PACKAGE_DIR, "--task", "masked_lm", "--arch", arch,
-                                              "--criterion", "masked_lm", "--load-checkpoint-heads", *flags, *extra])
+    ns = options.parse_args_and_arch(parser, [data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch,
+                                              *teacher_flags(config, target, extra), *extra])
     cfg = convert_namespace_to_omegaconf(ns)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)  # converts (upgrade_state_dict_named)
     torch.save({"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "args": None,
                 "model": model.state_dict(), "criterion": None,
-                "optimizer_history": [{"criterion_name": "MaskedLmLoss", "optimizer_name": "none",
+                "optimizer_history": [{"criterion_name": target.criterion, "optimizer_name": "none",
                                        "lr_scheduler_state": {}, "num_updates": 0}],
                 "task_state": {}, "extra_state": {"converted_from": os.path.abspath(checkpoint)},
                 "last_optimizer_state": None}, out)
@@ -59,20 +171,23 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lion_fairseq.convert", description=__doc__.split("\n\n")[0],
                                 epilog="Other fairseq options of the arch may follow, e.g. --lion-form chunk.")
-    p.add_argument("checkpoint", help="the softmax model's checkpoint (RoBERTa)")
+    p.add_argument("checkpoint", help="the softmax model's checkpoint (RoBERTa, transformer_lm, transformer)")
     p.add_argument("out", help="where to write the LION checkpoint")
-    p.add_argument("--arch", required=True, help="the LION arch, e.g. lion_s, lion_d, lion_lit_large")
-    p.add_argument("--data", help="folder of the teacher's dict.txt (default: the checkpoint's folder)")
+    p.add_argument("--arch", required=True, help="the LION arch, e.g. lion_s, lion_d_lm, lion_lit_transformer")
+    p.add_argument("--data", help="folder of the teacher's dictionaries (default: the checkpoint's folder)")
     args, extra = p.parse_known_args(argv)
     try:
         model = convert(args.checkpoint, args.out, args.arch, args.data, extra)
     except (ValueError, FileNotFoundError) as e:
         print(f"lion_fairseq.convert: {e}", file=sys.stderr)
         return 2
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    hub = TARGETS[ARCH_MODEL_NAME_REGISTRY[args.arch]].hub
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.out}: {args.arch}, {params / 1e6:.1f}M parameters. Start from it with fairseq-train "
           f"--user-dir {PACKAGE_DIR} --arch {args.arch} --finetune-from-model {args.out} ..., or load it with "
-          f"LionRobertaModel.from_pretrained({os.path.dirname(os.path.abspath(args.out))!r}, "
+          f"{hub}.from_pretrained({os.path.dirname(os.path.abspath(args.out))!r}, "
           f"{os.path.basename(args.out)!r}, <data>)")
     return 0
 

@@ -1,8 +1,11 @@
-"""A softmax RoBERTa's checkpoint as the start of a LION encoder (issue 27, lion_fairseq/models/convert.py):
-trained here by fairseq-train (legacy ``args``, as fairseq's released checkpoints), then loaded into
-``lion_{lit,d,s}_tiny`` through ``--finetune-from-model``, ``model.load_state_dict`` and
-``python -m lion_fairseq.convert``; tensors copied bit-identical, gates by the stated rule, the old
-``decoder.sentence_encoder`` layout, and sizes that differ refused with the option named."""
+"""A softmax checkpoint as the start of a LION model (issue 27, lion_fairseq/models/convert.py): fairseq's
+RoBERTa, ``transformer_lm`` and ``transformer``, each trained here by fairseq-train, then loaded into the
+LION archs through ``--finetune-from-model``, ``--restore-file``, ``model.load_state_dict`` and ``python -m
+lion_fairseq.convert``; tensors copied bit-identical, gates by the stated rule, positions kept or dropped,
+the old ``decoder.sentence_encoder`` layout, and sizes or structures that differ refused with the option
+named."""
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -186,3 +189,262 @@ def test_attention_transfer_refuses_unknown_parts(roberta, text_data_bin, tmp_pa
         fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,
                     "--criterion", "lion_attention_transfer", "--teacher", str(roberta), "--transfer-params", "q,k",
                     "--max-update", "1", "--save-dir", str(tmp_path))
+
+
+# ---- fairseq's transformer_lm -> lion_lm ------------------------------------------------------------------
+
+LM_SIZE = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
+           "--decoder-attention-heads", "2", "--tokens-per-sample", "32"]
+# what fairseq's --arch transformer_lm is and its weights do not show: post-norm layers, relu
+LM_STRUCTURE = ["--no-decoder-normalize-before", "--activation-fn", "relu"]
+LM_TRAIN = ["--cpu", "--num-workers", "0", "--seed", "1", "--optimizer", "adam", "--lr", "0.002", "--lr-scheduler",
+            "inverse_sqrt", "--warmup-updates", "2", "--criterion", "cross_entropy", "--task", "language_modeling",
+            "--batch-size", "8", "--disable-validation", "--no-epoch-checkpoints", "--log-format", "json",
+            "--log-interval", "1", "--no-progress-bar"]
+
+
+@pytest.fixture(scope="module")
+def transformer_lm(text_data_bin, tmp_path_factory):
+    """A tiny fairseq ``--arch transformer_lm`` (its defaults: post-norm, no final LayerNorm, relu) at 2 x 64
+    with learned positions, 40 updates; input and output dims set to the width, as LION has no projection."""
+    save = tmp_path_factory.mktemp("transformer_lm")
+    fairseq_cli("train", str(text_data_bin), *LM_TRAIN, "--arch", "transformer_lm", *LM_SIZE, "--decoder-input-dim",
+                "64", "--decoder-output-dim", "64", "--decoder-learned-pos", "--batch-size", "16", "--lr", "0.005",
+                "--warmup-updates", "4", "--max-update", "40", "--save-dir", str(save))
+    return save / "checkpoint_last.pt"
+
+
+def lion_lm(text_data_bin, arch, *extra):
+    return build_model(text_data_bin, "language_modeling", "--arch", arch, *LM_SIZE, *LM_STRUCTURE, *extra)
+
+
+def state_of(path):
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_lm_tensors_copied_gates_by_rule_positions_kept_or_dropped(transformer_lm, text_data_bin, variant):
+    teacher = state_of(transformer_lm)
+    model = lion_lm(text_data_bin, f"lion_{variant}_lm_tiny")[1]
+    model.load_state_dict(state_of(transformer_lm), strict=True)
+    mine = model.state_dict()
+    assert all(torch.equal(mine[k], teacher[k]) for k in mine if k in teacher)
+    kept = {k for k in teacher if k != "decoder.version"}
+    if variant != "lit":  # LION-D/S have no positions
+        kept.discard("decoder.embed_positions.weight")
+    assert kept == set(mine) & set(teacher)
+    new = set(mine) - set(teacher)
+    assert len(new) == {"lit": 0, "d": 2, "s": 4}[variant]
+    for layer in (0, 1):
+        attn = f"decoder.layers.{layer}.self_attn."
+        if variant == "d":
+            assert torch.equal(mine[attn + "gate_logit"], torch.full((2,), GATE_LOGIT))
+        if variant == "s":
+            assert torch.equal(mine[attn + "gate_proj.weight"], torch.zeros(2, 64))
+            assert torch.equal(mine[attn + "gate_proj.bias"], torch.full((2,), GATE_LOGIT))
+
+
+def valid_bits(task, model) -> float:
+    """The valid split's cross-entropy in bits per token, as fairseq-validate reports it."""
+    from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+
+    criterion, total, tokens = CrossEntropyCriterion(task, sentence_avg=False), 0.0, 0
+    task.load_dataset("valid")
+    data = task.dataset("valid")
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(data), 16):
+            loss, n, _ = criterion(model, data.collater([data[i] for i in range(start, min(start + 16, len(data)))]))
+            total, tokens = total + float(loss), tokens + n
+    return total / tokens / math.log(2)
+
+
+@pytest.mark.parametrize("variant", ["lit", "s"])
+def test_lm_converted_keeps_what_the_teacher_learned(transformer_lm, text_data_bin, variant):
+    """Measured: teacher 7.52 bits, converted LIT and S 7.54 and 7.53, fresh 11.8-12.1. A teacher of 40
+    updates mostly knows token statistics, which the conversion keeps whole; the attention (softmax here,
+    linear there) is where the two differ, and at this stage it adds little. So: the converted model keeps
+    over 90% of the teacher's gain over a fresh LION model."""
+    task, teacher = build_model(text_data_bin, "language_modeling", "--arch", "transformer_lm", *LM_SIZE,
+                                "--decoder-input-dim", "64", "--decoder-output-dim", "64", "--decoder-learned-pos")
+    teacher.load_state_dict(state_of(transformer_lm), strict=True)
+    torch.manual_seed(0)
+    task, model = lion_lm(text_data_bin, f"lion_{variant}_lm_tiny")
+    fresh = valid_bits(task, model)
+    model.load_state_dict(state_of(transformer_lm), strict=True)
+    converted, taught = valid_bits(task, model), valid_bits(task, teacher)
+    assert math.isfinite(converted) and converted - taught < 0.1 * (fresh - taught), (taught, converted, fresh)
+
+
+def _with(**extra_tensors):
+    def edit(state):
+        state.update({k: torch.zeros(shape) for k, shape in extra_tensors.items()})
+    return edit
+
+
+def _without(key):
+    def edit(state):
+        del state[key]
+    return edit
+
+
+@pytest.mark.parametrize("arch,extra,edit,option", [
+    ("lion_s_lm_tiny", ["--decoder-ffn-embed-dim", "96"], None, "--decoder-ffn-embed-dim"),
+    ("lion_s_lm_tiny", ["--decoder-layers", "3"], None, "--decoder-layers"),
+    ("lion_lit_lm_tiny", ["--tokens-per-sample", "40"], None, "--tokens-per-sample"),
+    ("lion_s_lm_tiny", ["--share-decoder-input-output-embed"], None, "drop --share-decoder-input-output-embed"),
+    # pre-norm (the LION default) from a post-norm teacher: the final LayerNorm it lacks gives it away
+    ("lion_s_lm_tiny", ["--decoder-normalize-before"], None, "--no-decoder-normalize-before"),
+    # a pre-norm teacher (every named transformer_lm_* arch) into a post-norm model
+    ("lion_s_lm_tiny", [], _with(**{"decoder.layer_norm.weight": (64,), "decoder.layer_norm.bias": (64,)}),
+     "pass --decoder-normalize-before"),
+    # sinusoidal positions (no weights) into LION-LIT's learned ones
+    ("lion_lit_lm_tiny", [], _without("decoder.embed_positions.weight"), "--lion-positions none"),
+    ("lion_s_lm_tiny", [], _with(**{"decoder.project_in_dim.weight": (64, 512)}), "--decoder-input-dim"),
+    ("lion_s_lm_tiny", [], _with(**{"decoder.adaptive_softmax.head.weight": (4, 64)}), "--adaptive-softmax-cutoff"),
+])
+def test_lm_a_different_structure_is_refused_naming_the_option(transformer_lm, text_data_bin, arch, extra, edit,
+                                                               option):
+    state = state_of(transformer_lm)
+    if edit is not None:
+        edit(state)
+    model = lion_lm(text_data_bin, arch, *extra)[1]
+    with pytest.raises(ValueError, match=re.escape(option)):
+        model.load_state_dict(state, strict=True)
+
+
+def test_lm_finetune_from_model_and_restore_file_start_from_transformer_lm(transformer_lm, text_data_bin, tmp_path):
+    """The commands a user types; what the weights cannot show is logged for them to check."""
+    common = [str(text_data_bin), "--user-dir", USER_DIR, *LM_TRAIN, "--arch", "lion_s_lm_tiny", *LM_SIZE,
+              *LM_STRUCTURE, "--max-update", "2"]
+    proc = fairseq_cli("train", *common, "--save-dir", str(tmp_path / "a"), "--finetune-from-model",
+                       str(transformer_lm))
+    log = proc.stdout + proc.stderr
+    assert "gate_proj.bias" in log and "post-norm layers without a final LayerNorm, activation relu" in log
+    assert "\"num_updates\": \"2\"" in log
+    proc = fairseq_cli("train", *common, "--save-dir", str(tmp_path / "b"), "--restore-file", str(transformer_lm),
+                       "--reset-optimizer", "--reset-dataloader", "--reset-meters")
+    assert "gate_proj.bias" in proc.stdout + proc.stderr and "\"num_updates\": \"2\"" in proc.stdout
+
+
+def test_lm_convert_command_reads_the_structure_then_hub(transformer_lm, text_data_bin, tmp_path, capsys):
+    """No size or structure option: the command takes them from the teacher's config (post-norm, relu,
+    learned positions kept by LION-LIT)."""
+    from lion_fairseq.convert import main
+    from lion_fairseq.models.lion_lm import LionLanguageModel
+
+    out = tmp_path / "lion_lit_lm.pt"
+    # in process: the RoBERTa test above runs the same main() as `python -m lion_fairseq.convert`
+    assert main([str(transformer_lm), str(out), "--arch", "lion_lit_lm_tiny", "--data", str(text_data_bin)]) == 0
+    assert "LionLanguageModel.from_pretrained" in capsys.readouterr().out
+    hub = LionLanguageModel.from_pretrained(str(tmp_path), out.name, str(text_data_bin))
+    mine, teacher = hub.models[0].state_dict(), state_of(transformer_lm)
+    assert all(torch.equal(mine[k], teacher[k]) for k in teacher if k != "decoder.version")
+    assert not hub.models[0].decoder.layers[0].normalize_before and hub.models[0].decoder.layer_norm is None
+    assert math.isfinite(float(hub.score("the value of the")["positional_scores"].mean()))
+    assert main([str(transformer_lm), str(tmp_path / "x.pt"), "--arch", "lion_s_transformer_tiny", "--data",
+                 str(text_data_bin)]) == 2
+    assert "starts from a transformer" in capsys.readouterr().err
+
+
+def test_lion_lm_checkpoints_saved_before_the_norm_options_load_pre_norm(text_data_bin, tmp_path):
+    """A lion_lm config without ``decoder_normalize_before`` / ``no_decoder_final_norm`` (every checkpoint
+    saved before they existed) builds today's pre-norm model with its final LayerNorm, weights unchanged."""
+    from fairseq import checkpoint_utils, options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    ns = options.parse_args_and_arch(options.get_training_parser(), [
+        str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "lion_s_lm_tiny",
+        "--tokens-per-sample", "32"])
+    cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(ns), resolve=True, enum_to_str=True)
+    del cfg["model"]["decoder_normalize_before"], cfg["model"]["no_decoder_final_norm"]
+    weights = build_model(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny",
+                          "--tokens-per-sample", "32")[1].state_dict()
+    history = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "none", "lr_scheduler_state": {},
+                "num_updates": 0}]
+    torch.save({"cfg": cfg, "args": None, "model": weights, "optimizer_history": history, "extra_state": {}},
+               tmp_path / "old.pt")
+    (model,), _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "old.pt")])
+    assert model.decoder.layers[0].normalize_before and model.decoder.layer_norm is not None
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+# ---- fairseq's transformer (translation) -> lion_transformer ---------------------------------------------
+
+# lion_*_transformer_tiny's sizes
+MT_SIZE = [arg for side in ("encoder", "decoder") for arg in (
+    f"--{side}-layers", "2", f"--{side}-embed-dim", "128", f"--{side}-ffn-embed-dim", "256",
+    f"--{side}-attention-heads", "2")]
+
+
+@pytest.fixture(scope="module")
+def mt_data(tmp_path_factory):
+    from lion_fairseq.benchmark.translation import write_reversal_corpus
+
+    root = tmp_path_factory.mktemp("reversal")
+    write_reversal_corpus(root, sizes=(("train", 400), ("valid", 20), ("test", 20)))
+    fairseq_cli("preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(root / "train"),
+                "--validpref", str(root / "valid"), "--testpref", str(root / "test"), "--destdir", str(root / "bin"),
+                "--workers", "1")
+    return root / "bin"
+
+
+MT_TRAIN = ["--task", "translation", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt",
+            "--warmup-updates", "5", "--criterion", "cross_entropy", "--max-tokens", "1500", "--cpu", "--num-workers",
+            "0", "--no-epoch-checkpoints", "--disable-validation", "--log-format", "json", "--log-interval", "1",
+            "--no-progress-bar", "--seed", "1"]
+
+
+@pytest.fixture(scope="module")
+def transformer(mt_data, tmp_path_factory):
+    """A tiny fairseq ``--arch transformer`` (post-norm, sinusoidal positions) at lion_*_transformer_tiny's
+    sizes, 20 updates."""
+    save = tmp_path_factory.mktemp("transformer")
+    fairseq_cli("train", str(mt_data), *MT_TRAIN, "--arch", "transformer", *MT_SIZE, "--max-update", "20",
+                "--save-dir", str(save))
+    return save / "checkpoint_last.pt"
+
+
+@pytest.mark.parametrize("variant,cross", [("lit", "softmax"), ("s", "softmax"), ("d", "linear")])
+def test_transformer_tensors_copied_gates_by_rule(transformer, mt_data, variant, cross):
+    """Every tensor of the teacher's loads as it is, the cross-attention's into fairseq's softmax attention
+    or into the linear one (same names and shapes); only the gates are new."""
+    teacher = state_of(transformer)
+    model = build_model(mt_data, "translation", "--arch", f"lion_{variant}_transformer_tiny", "--lion-cross-attention",
+                        cross)[1]
+    model.load_state_dict(state_of(transformer), strict=True)
+    mine = model.state_dict()
+    assert all(torch.equal(mine[k], teacher[k]) for k in teacher)
+    assert type(model.decoder.layers[0].encoder_attn).__name__ == {"softmax": "MultiheadAttention",
+                                                                   "linear": "LinearCrossAttention"}[cross]
+    new = sorted(set(mine) - set(teacher))
+    assert len(new) == {"lit": 0, "d": 4, "s": 8}[variant]
+    assert all(torch.equal(mine[k], torch.full((2,), GATE_LOGIT)) for k in new if k.endswith(("gate_logit", ".bias")))
+    assert all(torch.equal(mine[k], torch.zeros(2, 128)) for k in new if k.endswith("gate_proj.weight"))
+
+
+@pytest.mark.parametrize("extra,option", [(["--decoder-ffn-embed-dim", "128"], "--decoder-ffn-embed-dim"),
+                                          (["--encoder-layers", "3"], "--encoder-layers"),
+                                          (["--decoder-normalize-before"], "--decoder-normalize-before"),
+                                          (["--lion-positions", "learned"], "drop --lion-positions learned")])
+def test_transformer_a_different_structure_is_refused_naming_the_option(transformer, mt_data, extra, option):
+    model = build_model(mt_data, "translation", "--arch", "lion_s_transformer_tiny", *extra)[1]
+    with pytest.raises(ValueError, match=option):
+        model.load_state_dict(state_of(transformer), strict=True)
+
+
+def test_transformer_finetune_from_model_and_convert_command(transformer, mt_data, tmp_path):
+    from lion_fairseq.convert import main
+    from lion_fairseq.models.lion_transformer import LionTransformerModel
+
+    fairseq_cli("train", str(mt_data), "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "lion_s_transformer_tiny",
+                "--max-update", "2", "--save-dir", str(tmp_path / "run"), "--finetune-from-model", str(transformer))
+    started = torch.load(tmp_path / "run" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert started["optimizer_history"][-1]["num_updates"] == 2
+    out = tmp_path / "lion_d.pt"
+    assert main([str(transformer), str(out), "--arch", "lion_d_transformer_tiny", "--data", str(mt_data)]) == 0
+    hub = LionTransformerModel.from_pretrained(str(tmp_path), out.name, str(mt_data))
+    teacher = state_of(transformer)
+    assert all(torch.equal(hub.models[0].state_dict()[k], v) for k, v in teacher.items())
+    assert len(hub.translate("w1 w2 w3", beam=2).split()) > 0

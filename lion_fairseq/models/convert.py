@@ -1,29 +1,42 @@
-"""A softmax model's checkpoint as a LION model's: fairseq's RoBERTa into ``lion_roberta`` (``lion_lit``,
-``lion_d``, ``lion_s`` ...), the fairseq way (``upgrade_state_dict_named``, which every load runs before
-its strict check: ``--finetune-from-model``, ``--restore-file`` with ``--reset-*``, the hub), and as a file
-(``python -m lion_fairseq.convert``, ``main`` below).
+"""A softmax model's checkpoint as a LION model's, the fairseq way (``upgrade_state_dict_named``, which every
+load runs before its strict check: ``--finetune-from-model``, ``--restore-file`` with ``--reset-*``, the
+hub), and as a file (``python -m lion_fairseq.convert``):
+
+- fairseq's RoBERTa into ``lion_roberta`` (``lion_lit``, ``lion_d``, ``lion_s`` ...): ``ROBERTA``;
+- fairseq's ``transformer_lm`` into ``lion_lm`` (``lion_s_lm`` ...): ``LANGUAGE_MODEL``;
+- fairseq's ``transformer`` (translation) into ``lion_transformer`` (``lion_s_transformer`` ...):
+  ``TRANSLATION``.
 
 What happens to the teacher's tensors:
 
-- copied as they are: token embeddings, every q/k/v/out projection, FFN, LayerNorm, the LM head and any
-  classification head (RoBERTa's head reconciliation applies). A combined ``in_proj_weight`` of older
-  fairseq is split into q, k, v first, as fairseq's own attention does;
-- learned positions: kept where the LION model has them (LION-LIT's default), their first rows when it has
-  fewer (``--max-positions`` smaller than the teacher's); dropped, with a logged line, where it has none
-  (LION-D/S). A model with more positions than the teacher is refused, naming ``--max-positions``;
-- dropped, with a logged line: fairseq's ``version`` buffers and anything else the LION model lacks;
+- copied as they are: token embeddings, every q/k/v/out projection, FFN, LayerNorm, output projections, the
+  LM head and any classification head (RoBERTa's head reconciliation applies), a translation model's
+  cross-attention (into fairseq's softmax attention, or with ``--lion-cross-attention linear`` into the
+  linear one, whose q/k/v/out projections have the same names and shapes). A combined ``in_proj_weight``
+  of older fairseq is split into q, k, v first, as fairseq's own attention does;
+- learned positions: kept where the LION model has them (LION-LIT's default in the encoder; ``--lion-positions
+  learned`` in the LM), their first rows when it has fewer (a smaller ``--max-positions`` /
+  ``--tokens-per-sample``); dropped, with a logged line, where it has none (LION-D/S). A model with more
+  positions than the teacher is refused, naming the option. A translation model keeps fairseq's positions
+  (sinusoidal by default) as its teacher had them;
+- dropped, with a logged line: fairseq's ``version`` buffers and anything else the LION model lacks and
+  does not need;
 - added by rule: every gate starts at ``sigmoid(GATE_LOGIT)`` = 0.9975, a memory of about 400 tokens, the
   same for every head and token (LION-D's logits; LION-S's projection with zero weights and that bias, so
   the gates become selective only as it learns): step 0 is LION-LIT with a long memory. Any other LION
   parameter (an output gate, a short convolution, a LayerNorm after the heads) keeps the new model's own
   initialisation (the convolution's is the identity).
 
-A tensor whose shape differs is refused before torch's strict load, naming the option that sets it.
-Head counts are not in the weights: the archs ``lion_*`` and ``lion_*_large`` have ``roberta.base``'s and
-``roberta.large``'s; otherwise pass the teacher's ``--encoder-attention-heads``."""
+Refused before torch's strict load, with the option to pass: a depth or a tensor shape that differs; a
+structure the LION model lacks or has beyond the teacher's (a final LayerNorm, an embedding LayerNorm,
+learned positions); embeddings that the LION model ties and the teacher did not; and what LION cannot
+represent (adaptive input or softmax, fairseq's ``project_in_dim``/``project_out_dim``), saying why.
+Head counts, the activation and pre- or post-norm layers are not in the weights: they are the LION model's
+options, which must be the teacher's (``python -m lion_fairseq.convert`` reads them from the checkpoint)."""
 import logging
 import re
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -32,22 +45,99 @@ logger = logging.getLogger(__name__)
 
 GATE_LOGIT = 6.0
 
-# which option sets a tensor's shape, by the first pattern its name matches
-SHAPE_OPTIONS = [
-    (r"embed_tokens|lm_head\.(weight|bias)$", "the dictionary (use the teacher's dict.txt: fairseq-preprocess "
-                                             "--srcdict <teacher>/dict.txt)"),
-    (r"embed_positions", "--max-positions"),
-    (r"fc1\.|fc2\.", "--encoder-ffn-embed-dim"),
-    (r"classification_heads", "--num-classes"),
-    (r".", "--encoder-embed-dim"),
-]
-
-
-# what a softmax checkpoint may have that a LION model drops, and what only LION has
-DROPPABLE = r"(^|\.)version$|embed_positions\.|_float_tensor$"
+# what only LION has: the parameters of its gates and levers
 LION_OWN = r"self_attn\.(gate_logit|gate_proj\.|head_norm\.|out_gate\.|conv_weight)"
-STRUCTURE_OPTIONS = ("pass the teacher's --encoder-normalize-before, --layernorm-embedding or "
-                     "--untie-weights-roberta")
+
+# a teacher's tensors that no LION model can take, and why (checked before the layout's own reasons)
+UNREPRESENTABLE = (
+    (r"project_in_dim\.|project_out_dim\.",
+     "the teacher's --decoder-input-dim / --decoder-output-dim differ from its --decoder-embed-dim (fairseq's "
+     "transformer_lm defaults both to 512 whatever the width) and LION has no projection between them: only a "
+     "teacher trained with both equal to its --decoder-embed-dim converts"),
+    (r"adaptive_softmax\.|embed_tokens\.embeddings\.",
+     "the teacher has adaptive input or softmax (--adaptive-input, --adaptive-softmax-cutoff), and LION has one "
+     "embedding table and one output projection: only a teacher without them converts"),
+)
+
+Patterns = Tuple[Tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one kind of softmax checkpoint maps onto its LION model. Every pattern is searched in a tensor's
+    name without the model's prefix; in a list of ``(pattern, text)`` the first match speaks."""
+    stacks: Patterns          # (prefix of a layer stack, the option that sets its depth)
+    shape_options: Patterns   # (pattern, the option that sets such a tensor's shape)
+    droppable: str            # the teacher's tensors this LION model may drop
+    structure: str            # the options that shape the architecture beyond the attention
+    untie: str                # what to pass when the model ties tensors that the teacher kept apart
+    extra: Patterns = ()      # (pattern, why and what to pass) for a tensor the checkpoint has, the model not
+    missing: Patterns = ()    # likewise for a tensor the model has, the checkpoint not
+
+
+DICTIONARY = ("the dictionary (binarise the data with the teacher's dict.txt: fairseq-preprocess --srcdict "
+              "<teacher>/dict.txt)")
+
+ROBERTA = Layout(
+    stacks=(("encoder.sentence_encoder.", "--encoder-layers"),),
+    shape_options=((r"embed_tokens|lm_head\.(weight|bias)$", DICTIONARY),
+                   (r"embed_positions", "--max-positions"),
+                   (r"fc1\.|fc2\.", "--encoder-ffn-embed-dim"),
+                   (r"classification_heads", "--num-classes"),
+                   (r".", "--encoder-embed-dim")),
+    droppable=r"(^|\.)version$|embed_positions\.|_float_tensor$",
+    structure="pass the teacher's --encoder-normalize-before, --layernorm-embedding or --untie-weights-roberta",
+    untie="pass --untie-weights-roberta, as the teacher was trained",
+)
+
+LANGUAGE_MODEL = Layout(
+    stacks=(("decoder.", "--decoder-layers"),),
+    shape_options=((r"embed_tokens|output_projection", DICTIONARY),
+                   (r"embed_positions", "--tokens-per-sample (and --max-target-positions, if the teacher set it)"),
+                   (r"fc1\.|fc2\.", "--decoder-ffn-embed-dim"),
+                   (r".", "--decoder-embed-dim")),
+    droppable=r"(^|\.)version$|embed_positions\.|_float_tensor$",
+    structure="pass the teacher's --decoder-normalize-before / --no-decoder-normalize-before and "
+              "--no-decoder-final-norm",
+    untie="drop --share-decoder-input-output-embed: the teacher's input and output embeddings are separate",
+    extra=((r"^decoder\.layer_norm\.",
+            "the teacher is pre-norm with a final LayerNorm: pass --decoder-normalize-before (the default) "
+            "without --no-decoder-final-norm"),
+           (r"layernorm_embedding\.",
+            "the teacher has --layernorm-embedding, and the LION LM has no LayerNorm on its embeddings: only a "
+            "teacher without it converts")),
+    missing=((r"^decoder\.layer_norm\.",
+              "the teacher has no final LayerNorm: it is post-norm (fairseq's --arch transformer_lm without "
+              "--decoder-normalize-before: pass --no-decoder-normalize-before) or pre-norm trained with "
+              "--no-decoder-final-norm (pass that)"),
+             (r"embed_positions\.weight",
+              "the teacher has no learned positions (fairseq's sinusoidal ones have no weights, and LION has no "
+              "such kind): pass --lion-positions none, or start from a teacher trained with --decoder-learned-pos")),
+)
+
+TRANSLATION = Layout(
+    stacks=(("encoder.", "--encoder-layers"), ("decoder.", "--decoder-layers")),
+    shape_options=((r"embed_tokens|output_projection",
+                    "the dictionaries (binarise the data with the teacher's dict.<lang>.txt: fairseq-preprocess "
+                    "--srcdict/--tgtdict, or --joined-dictionary as the teacher)"),
+                   (r"^encoder\.embed_positions", "--max-source-positions"),
+                   (r"^decoder\.embed_positions", "--max-target-positions"),
+                   (r"^encoder\..*(fc1|fc2)\.", "--encoder-ffn-embed-dim"),
+                   (r"^decoder\..*(fc1|fc2)\.", "--decoder-ffn-embed-dim"),
+                   (r"^encoder\.", "--encoder-embed-dim"),
+                   (r".", "--decoder-embed-dim")),
+    # positions are fairseq's on both sides, so learned ones are never dropped
+    droppable=r"(^|\.)version$|_float_tensor$",
+    structure="pass the teacher's --encoder-normalize-before, --decoder-normalize-before, --layernorm-embedding, "
+              "--encoder-learned-pos, --decoder-learned-pos or --no-token-positional-embeddings",
+    untie="drop --share-all-embeddings / --share-decoder-input-output-embed: the teacher's embeddings are separate",
+    extra=((r"embed_positions\.weight",
+            "the teacher has learned positions: pass --encoder-learned-pos and --decoder-learned-pos as it was "
+            "trained (or --lion-positions learned for both)"),),
+    missing=((r"embed_positions\.weight",
+              "the teacher's positions are sinusoidal (no weights): drop --lion-positions learned and "
+              "--encoder-learned-pos / --decoder-learned-pos, so the model keeps fairseq's positions as its teacher"),),
+)
 
 
 def _split_in_proj(state_dict: Dict[str, Tensor]) -> None:
@@ -59,12 +149,12 @@ def _split_in_proj(state_dict: Dict[str, Tensor]) -> None:
             state_dict[base + name + kind] = part
 
 
-def _option_for(key: str) -> str:
-    return next(option for pattern, option in SHAPE_OPTIONS if re.search(pattern, key))
+def _first(patterns: Patterns, name: str) -> Optional[str]:
+    return next((text for pattern, text in patterns if re.search(pattern, name)), None)
 
 
 def _layers(keys, stack: str) -> int:
-    return len({m.group(1) for k in keys for m in [re.search(re.escape(stack) + r"layers\.(\d+)\.", k)] if m})
+    return len({m.group(1) for k in keys for m in [re.search("^" + re.escape(stack) + r"layers\.(\d+)\.", k)] if m})
 
 
 def is_softmax_roberta(state_dict: Dict[str, Tensor], prefix: str = "") -> bool:
@@ -73,50 +163,34 @@ def is_softmax_roberta(state_dict: Dict[str, Tensor], prefix: str = "") -> bool:
     return prefix + "encoder.sentence_encoder.version" in state_dict
 
 
+def is_softmax_lm(state_dict: Dict[str, Tensor], prefix: str = "") -> bool:
+    """A fairseq ``transformer_lm``'s weights: its decoder is fairseq's ``TransformerDecoder``, whose
+    ``version`` buffer the LION LM's decoder lacks."""
+    return prefix + "decoder.version" in state_dict
+
+
+def is_softmax_transformer(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str = "") -> bool:
+    """Weights of fairseq's ``transformer`` (or of a LION-LIT one without levers: the two have the same
+    tensors, and the same rule starts LION from either) for a LION translation ``model``: the model has gate
+    or lever parameters and the checkpoint none, or the checkpoint's attention is older fairseq's combined
+    ``in_proj``. Both encoders have a ``version`` buffer, so this is what tells them apart."""
+    model_gated = any(re.search(LION_OWN, k) for k in model.state_dict())
+    checkpoint_gated = any(re.search(LION_OWN, k) for k in state_dict if k.startswith(prefix))
+    combined = any(k.startswith(prefix) and "self_attn.in_proj_" in k for k in state_dict)
+    return (model_gated and not checkpoint_gated) or combined
+
+
 def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str = "",
-                    stack: str = "encoder.sentence_encoder.", layers_option: str = "--encoder-layers") -> None:
+                    layout: Layout = ROBERTA) -> None:
     """Make a softmax model's ``state_dict`` (keys under ``prefix``) the state dict of the LION ``model``,
     in place, by the rules of this module's docstring; logs what it dropped and added."""
     _split_in_proj(state_dict)
     own = {prefix + k: v for k, v in model.state_dict().items()}
-    teacher, student = _layers(state_dict, prefix + stack), _layers(own, prefix + stack)
-    if teacher != student:
-        raise ValueError(f"the checkpoint has {teacher} layers and this model {student}: pass {layers_option} "
-                         f"{teacher} (the teacher's depth)")
-    dropped: List[str] = []
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        if key not in own:
-            name = key[len(prefix):]
-            if not re.search(DROPPABLE, name):
-                raise ValueError(f"the checkpoint has {name}, which this model lacks: its architecture differs "
-                                 f"beyond the attention ({STRUCTURE_OPTIONS})")
-            dropped.append(name)
-            del state_dict[key]
-            continue
-        have, want = tuple(state_dict[key].shape), tuple(own[key].shape)
-        if have == want:
-            continue
-        if "embed_positions" in key and have[0] > want[0] and have[1:] == want[1:]:
-            logger.info(f"lion: {key[len(prefix):]}: the teacher's first {want[0]} of {have[0]} learned positions")
-            state_dict[key] = state_dict[key][:want[0]].clone()
-            continue
-        raise ValueError(f"{key[len(prefix):]} is {have} in the checkpoint and {want} in this model: "
-                         f"set {_option_for(key)} as the teacher has it")
-    added: List[str] = []
-    for key, value in own.items():
-        if key in state_dict:
-            continue
-        name = key[len(prefix):]
-        if not re.search(LION_OWN, name):
-            raise ValueError(f"the checkpoint lacks {name}, which this model has: its architecture differs "
-                             f"beyond the attention ({STRUCTURE_OPTIONS})")
-        added.append(name)
-        if name.endswith("gate_logit") or name.endswith("gate_proj.bias"):
-            state_dict[key] = torch.full_like(value, GATE_LOGIT)
-        elif name.endswith("gate_proj.weight"):
-            state_dict[key] = torch.zeros_like(value)
-        else:
-            state_dict[key] = value.clone()
+    _check_depth(state_dict, own, prefix, layout)
+    dropped = _drop_extra(state_dict, own, prefix, layout)
+    _fit_shapes(state_dict, own, prefix, layout)
+    added = _add_lion_own(state_dict, own, prefix, layout)
+    _check_ties(model, state_dict, prefix, layout)
     if dropped:
         logger.info(f"lion: from the softmax checkpoint, dropped what this LION model has no use for: "
                     f"{_summary(dropped)}")
@@ -125,23 +199,81 @@ def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str
                     f"rest as initialised): {_summary(added)}")
 
 
+def _check_depth(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
+    for stack, option in layout.stacks:
+        teacher, student = _layers(state_dict, prefix + stack), _layers(own, prefix + stack)
+        if teacher != student:
+            raise ValueError(f"the checkpoint has {teacher} {stack.split('.')[0]} layers and this model {student}: "
+                             f"pass {option} {teacher} (the teacher's depth)")
+
+
+def _drop_extra(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> List[str]:
+    """Deletes the checkpoint's tensors that the model lacks and may drop; returns their names. Any other
+    such tensor is refused, with why."""
+    dropped = []
+    for key in [k for k in state_dict if k.startswith(prefix) and k not in own]:
+        name = key[len(prefix):]
+        if not re.search(layout.droppable, name):
+            why = (_first(UNREPRESENTABLE + layout.extra, name)
+                   or f"its architecture differs beyond the attention ({layout.structure})")
+            raise ValueError(f"the checkpoint has {name}, which this model lacks: {why}")
+        dropped.append(name)
+        del state_dict[key]
+    return dropped
+
+
+def _fit_shapes(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
+    """Learned positions cropped to the model's fewer rows; any other shape that differs is refused,
+    naming the option that sets it."""
+    for key in [k for k in state_dict if k in own]:
+        have, want = tuple(state_dict[key].shape), tuple(own[key].shape)
+        if have == want:
+            continue
+        name = key[len(prefix):]
+        if "embed_positions" in key and have[0] > want[0] and have[1:] == want[1:]:
+            logger.info(f"lion: {name}: the teacher's first {want[0]} of {have[0]} learned positions")
+            state_dict[key] = state_dict[key][:want[0]].clone()
+            continue
+        raise ValueError(f"{name} is {have} in the checkpoint and {want} in this model: "
+                         f"set {_first(layout.shape_options, name)} as the teacher has it")
+
+
+def _add_lion_own(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> List[str]:
+    """Adds what only LION has (gates by the rule, the rest as the model initialised it); returns their
+    names. Any other tensor the checkpoint lacks is refused, with why."""
+    added = []
+    for key, value in own.items():
+        if key in state_dict:
+            continue
+        name = key[len(prefix):]
+        if not re.search(LION_OWN, name):
+            why = _first(layout.missing, name) or f"its architecture differs beyond the attention ({layout.structure})"
+            raise ValueError(f"the checkpoint lacks {name}, which this model has: {why}")
+        added.append(name)
+        if name.endswith("gate_logit") or name.endswith("gate_proj.bias"):
+            state_dict[key] = torch.full_like(value, GATE_LOGIT)
+        elif name.endswith("gate_proj.weight"):
+            state_dict[key] = torch.zeros_like(value)
+        else:
+            state_dict[key] = value.clone()
+    return added
+
+
+def _check_ties(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
+    """A parameter the model shares between two names (tied embeddings) loads whichever tensor comes last:
+    the checkpoint must hold one tensor under both names."""
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for tied in (n for n in names.values() if len(n) > 1):
+        first = state_dict[prefix + tied[0]]
+        if not all(torch.equal(first, state_dict[prefix + n]) for n in tied[1:]):
+            raise ValueError(f"this model ties {' and '.join(tied)}, which differ in the checkpoint: {layout.untie}")
+
+
 def _summary(names: List[str]) -> str:
     """Names with layer numbers collapsed: ``layers.*.self_attn.gate_proj.weight`` once, not per layer."""
     seen: Dict[str, None] = {}
     for n in names:
         seen.setdefault(re.sub(r"layers\.\d+\.", "layers.*.", n), None)
     return ", ".join(seen)
-
-
-def teacher_sizes(state: Dict) -> Dict[str, Optional[int]]:
-    """The encoder sizes a RoBERTa checkpoint was trained with (legacy ``args`` or dataclass ``cfg``)."""
-    source = state.get("args")
-    if source is None and state.get("cfg") is not None:
-        source = state["cfg"].get("model")
-    if source is None:
-        source = {}
-    elif not hasattr(source, "get"):  # an argparse.Namespace: legacy models' config, also inside cfg
-        source = vars(source)
-    keys = ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_attention_heads",
-            "max_positions")
-    return {k: source.get(k) for k in keys}

@@ -6,7 +6,13 @@ token's gate), and the decoder keeps one token count per sentence for learned po
 memory per generated token whatever the context. The first call with an empty ``incremental_state``
 prefills the whole prompt in one pass; later calls read only the last token (fairseq's generator passes
 the whole prefix every step).
+
+Layers are pre-norm with a final LayerNorm by default; ``--no-decoder-normalize-before`` makes them
+post-norm without one, as fairseq's ``--arch transformer_lm`` (whose every named arch is pre-norm), so
+that a softmax ``transformer_lm`` checkpoint of either kind starts a LION LM (``upgrade_state_dict_named``,
+``models/convert.py``).
 """
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -22,8 +28,12 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
+from .convert import LANGUAGE_MODEL, is_softmax_lm, softmax_to_lion
 from .hub import ContinuationHubInterface, DataBpeHub
-from .lion_options import LionOptions, fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset
+from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, lion_positions,
+                           set_unset)
+
+logger = logging.getLogger(__name__)
 
 # Without learned positions nothing bounds the context: report a length no data set reaches, so fairseq
 # neither truncates nor filters sequences (eval-lm, generation) for nothing.
@@ -49,13 +59,21 @@ class LionLMConfig(LionOptions):
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})
+    # None: the arch decides (pre-norm); a checkpoint saved before this field existed is pre-norm too
+    decoder_normalize_before: Optional[bool] = field(
+        default=None, metadata={"help": "pre-norm layers and a final LayerNorm (the default); "
+                                        "--no-decoder-normalize-before: post-norm layers and no final LayerNorm, as "
+                                        "fairseq's --arch transformer_lm"})
+    no_decoder_final_norm: bool = field(
+        default=False, metadata={"help": "no LayerNorm after the last pre-norm layer (fairseq's option of that name)"})
     tokens_per_sample: int = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
 
 
 class LionLMDecoder(FairseqIncrementalDecoder):
     """Token (and, for ``--lion-positions learned``, position) embeddings, ``decoder_layers`` causal
-    ``LionDecoderLayer``s, a final LayerNorm and the output projection.
+    ``LionDecoderLayer``s, a final LayerNorm (pre-norm layers without ``--no-decoder-final-norm``) and the
+    output projection. Submodule names are those of fairseq's ``TransformerDecoder``.
 
     ``forward(prev_output_tokens)``: ``(B, T)`` token ids -> logits ``(B, T, V)`` and
     ``{"attn": [None], "inner_states": [(T, B, C)] * (layers + 1)}``.
@@ -86,9 +104,15 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         self.layers = nn.ModuleList([
             LionDecoderLayer(dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads, attention_kwargs,
                              dropout=cfg.dropout, activation_dropout=cfg.activation_dropout,
-                             activation_fn=str(cfg.activation_fn))
+                             activation_fn=str(cfg.activation_fn), normalize_before=cfg.decoder_normalize_before)
             for _ in range(cfg.decoder_layers)])
-        self.layer_norm = LayerNorm(dim)
+        # fairseq's rule: post-norm layers end normalised already
+        final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
+        self.layer_norm = LayerNorm(dim) if final_norm else None
+        # what a checkpoint's weights cannot show
+        self.unseen = (f"{'pre' if cfg.decoder_normalize_before else 'post'}-norm layers "
+                       f"{'with' if final_norm else 'without'} a final LayerNorm, activation {cfg.activation_fn}, "
+                       f"{cfg.decoder_attention_heads} heads, embeddings scaled by {self.embed_scale:g}")
         self.output_projection = nn.Linear(dim, len(dictionary), bias=False)
         if cfg.share_decoder_input_output_embed:
             self.output_projection.weight = self.embed_tokens.weight
@@ -126,7 +150,9 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         for layer in self.layers:
             x = layer(x, padding_mask=padding_mask, incremental_state=incremental_state)
             inner_states.append(x)
-        x = self.layer_norm(x).transpose(0, 1)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)
 
         if incremental_state is not None:
             self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": seen + (~pad).sum(1)})
@@ -173,6 +199,23 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
     def add_args(cls, parser) -> None:
         super().add_args(parser)
         fix_lion_flags(parser)
+        boolean_optional(parser, "--decoder-normalize-before")
+
+    def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
+        """A softmax ``transformer_lm``'s weights made this model's (``models/convert.py``): what fairseq runs
+        before every strict load, so ``--finetune-from-model transformer_lm.pt`` and ``--restore-file`` with
+        ``--reset-*`` start LION from it. What the weights cannot show is logged: it must be the teacher's."""
+        super().upgrade_state_dict_named(state_dict, name)
+        prefix = name + "." if name else ""
+        if not is_softmax_lm(state_dict, prefix):
+            return
+        learned = prefix + "decoder.embed_positions.weight" in state_dict
+        softmax_to_lion(self, state_dict, prefix, LANGUAGE_MODEL)
+        if not learned and self.decoder.embed_positions is None:
+            logger.info("lion: the checkpoint has no learned positions: its sinusoidal ones (fairseq's default), "
+                        "if any, have no weights and are dropped; this LION model has none")
+        logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where they "
+                    f"differ): {self.decoder.unseen}")
 
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionLanguageModel":
@@ -207,6 +250,8 @@ def lion_lm_base(args: Any) -> None:
         decoder_attention_heads=8,
         share_decoder_input_output_embed=False,
         no_scale_embedding=False,
+        decoder_normalize_before=True,
+        no_decoder_final_norm=False,
     ))
 
 
@@ -216,7 +261,7 @@ def _size(args: Any, layers: int, dim: int, heads: int, ffn: int) -> None:
 
 
 # what the ``_plus`` archs add to the paper's model, chosen by ``python -m lion_fairseq.benchmark.quality``
-# (README "Language-model quality": what each addition is worth)
+# (docs/quality.md: what each addition is worth)
 PLUS_LEVERS = dict(lion_short_conv=4, lion_output_gate=True, lion_gate_temperature=8.0)
 
 

@@ -9,10 +9,14 @@ sentence: a decoding step then costs O(1) whatever the source and the target len
 Positions are fairseq's (sinusoidal, or ``--encoder-learned-pos`` / ``--decoder-learned-pos``) unless
 ``--lion-positions`` says otherwise: ``learned`` for both sides, ``none`` for neither. Checkpoints store
 the dataclass config below, so they reload under torch's ``weights_only`` default, and
-``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form."""
+``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form.
+
+Layer and module names are fairseq's, so a softmax ``transformer`` checkpoint starts a LION one
+(``upgrade_state_dict_named``, ``models/convert.py``): every tensor loads as it is, cross-attention's
+into either kind, and LION-D/S gates start by the rule."""
 import argparse
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
@@ -22,10 +26,12 @@ from fairseq.models.transformer import (TransformerConfig, TransformerDecoderBas
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from omegaconf import II
+from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors
 from ..modules.encoder_layer import LionEncoderLayer
 from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
+from .convert import TRANSLATION, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import LionOptions, arch_filling, fix_lion_flags, lion_attention_kwargs, set_unset
 
@@ -120,6 +126,14 @@ class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
         # this config's options (TransformerModelBase.add_args would add fairseq's TransformerConfig's)
         BaseFairseqModel.add_args.__func__(cls, parser)
         fix_lion_flags(parser)
+
+    def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
+        """fairseq's own upgrades, then a softmax ``transformer``'s weights made this model's: what fairseq
+        runs before every strict load, so ``--finetune-from-model transformer.pt`` starts LION from it."""
+        super().upgrade_state_dict_named(state_dict, name)
+        prefix = name + "." if name else ""
+        if is_softmax_transformer(self, state_dict, prefix):
+            softmax_to_lion(self, state_dict, prefix, TRANSLATION)
 
     @classmethod
     def build_model(cls, cfg, task):

@@ -1,5 +1,6 @@
-"""LionDecoderLayer: one pre-LayerNorm block of the causal LION language model (causal LION attention,
-then a feed-forward network), in fairseq's ``T x B x C`` layout, with incremental decoding state."""
+"""LionDecoderLayer: one block of the causal LION language model (causal LION attention, then a
+feed-forward network), in fairseq's ``T x B x C`` layout, with incremental decoding state; pre-norm by
+default, post-norm on request (as fairseq's ``--arch transformer_lm``, for starting from one)."""
 from typing import Any, Dict, Optional
 
 import torch.nn as nn
@@ -11,8 +12,10 @@ from .lion_attention import LionAttention
 
 
 class LionDecoderLayer(nn.Module):
-    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(FFN(LN(x)))``; pre-norm keeps a deep stack trainable
-    without warm-up tricks.
+    """Pre-norm (``normalize_before``, the default): ``x + Drop(Attn(LN(x)))`` then ``x + Drop(FFN(LN(x)))``,
+    which keeps a deep stack trainable without warm-up tricks. Post-norm: ``LN(x + Drop(Attn(x)))`` then
+    ``LN(x + Drop(FFN(x)))``, fairseq's ``TransformerDecoderLayer`` without ``--decoder-normalize-before``.
+    Submodule names are fairseq's, so a softmax decoder layer's weights load as they are.
 
     embed_dim / ffn_embed_dim / num_heads: widths; attention_kwargs: keyword arguments of
     ``LionAttention`` (variant, form, chunk_size, feature_map, normalize, norm_after); the layer always
@@ -20,8 +23,10 @@ class LionDecoderLayer(nn.Module):
     """
 
     def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, attention_kwargs: Dict[str, Any], *,
-                 dropout: float = 0.1, activation_dropout: float = 0.0, activation_fn: str = "gelu"):
+                 dropout: float = 0.1, activation_dropout: float = 0.0, activation_fn: str = "gelu",
+                 normalize_before: bool = True):
         super().__init__()
+        self.normalize_before = normalize_before
         self.self_attn = LionAttention(embed_dim, num_heads, causal=True, **attention_kwargs)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_embed_dim)
@@ -36,10 +41,13 @@ class LionDecoderLayer(nn.Module):
         """x: ``(T, B, C)``; padding_mask: ``(B, T)`` bool, True at padding (or None). Returns ``(T, B, C)``.
         With ``incremental_state`` the attention prefills (first call) or steps its recurrent state."""
         residual = x
-        x = self.self_attn(self.self_attn_layer_norm(x), key_padding_mask=padding_mask,
-                           incremental_state=incremental_state)
-        x = residual + self.dropout_module(x)
+        h = self.self_attn_layer_norm(x) if self.normalize_before else x
+        x = residual + self.dropout_module(self.self_attn(h, key_padding_mask=padding_mask,
+                                                          incremental_state=incremental_state))
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
         residual = x
-        x = self.activation_fn(self.fc1(self.final_layer_norm(x)))
-        x = self.fc2(self.activation_dropout_module(x))
-        return residual + self.dropout_module(x)
+        h = self.final_layer_norm(x) if self.normalize_before else x
+        h = self.fc2(self.activation_dropout_module(self.activation_fn(self.fc1(h))))
+        x = residual + self.dropout_module(h)
+        return x if self.normalize_before else self.final_layer_norm(x)
