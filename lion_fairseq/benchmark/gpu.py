@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .gpu_training import FORMS, PRECISIONS, eval_lm_forms, recurrent_decoding, train_and_evaluate, train_speed
 
@@ -211,29 +211,32 @@ def peak_mib(fn: Callable, device: str = "cuda") -> Optional[float]:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, C: int = 64, segments: bool = True,
-                in_bytes: int = 2) -> Dict[str, float]:
+def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: Tuple[int, int] = (32, 16),
+                segments: bool = True, in_bytes: int = 2) -> Dict[str, float]:
     """An estimate, counted from ``ops/kernel.py``, of one bidirectional normalised call: FLOPs (2 per
-    multiply-add, matmuls only) and bytes moved (each walk reads its chunk's rows once; no cache reuse
-    across walks is assumed). Per token and head, with Dk = Dv = D and chunks of C:
+    multiply-add, matmuls only) and bytes moved (each launch reads its chunk's rows once; no cache reuse
+    across launches is assumed). Per token and head, with Dk = Dv = D and chunks of ``chunks`` = (C forward,
+    C backward), the kernel's at D = 64 (``BLOCKS``):
 
     - forward, gated: two walks of ``q k^T``, ``A v`` (2 C D each), ``q S``, ``k^T v`` (2 D^2 each), plus
       one more ``k^T v`` per walk for the segments' sums; reads q, k, v per walk (and k, v for the sums),
       writes y twice, reads it once, and the float32 row sums;
     - forward, no gates: the sums ``k^T v`` and one ``q S``; reads k, v, q once, writes y once;
-    - backward, gated: two walks of five C x C products and five ``D x D``-state products each, plus the
-      segments' sums of both states; reads q, k, v, dy, y (and the row sums) per walk, writes dq, dk, dv
-      twice and reads them once; no gates: the two sums and three state products."""
+    - backward, gated: per walk, one launch along (five C x C products, two state products) and one
+      against (three state products), plus the segments' sums of both states; each launch reads q, k, v, dy
+      and y, and dq, dk, dv are written 10 rows and read 7 in all (the first launch only writes);
+      no gates: the two sums and three state products."""
     tokens = B * H * L
     elems = D * in_bytes
+    c_fwd, c_bwd = chunks
     if gates == "none":
         flops = {"fwd": 4 * D * D, "bwd": 10 * D * D}
         io = {"fwd": 3 * elems + 4, "bwd": 8 * elems + 4}
     else:
         sums = 2 * 2 * D * D if segments else 0
-        flops = {"fwd": 2 * (4 * C * D + 4 * D * D) + sums, "bwd": 2 * (10 * C * D + 10 * D * D) + 2 * sums}
+        flops = {"fwd": 2 * (4 * c_fwd * D + 4 * D * D) + sums, "bwd": 2 * (10 * c_bwd * D + 10 * D * D) + 2 * sums}
         io = {"fwd": 2 * 3 * elems + (4 * elems if segments else 0) + 3 * elems + 12,
-              "bwd": 2 * 5 * elems + 9 * elems + (8 * elems if segments else 0) + 8}
+              "bwd": 4 * 5 * elems + 17 * elems + (8 * elems if segments else 0) + 8}
     if mode == "fwdbwd":
         return {"flops": tokens * (flops["fwd"] + flops["bwd"]), "bytes": tokens * (io["fwd"] + io["bwd"])}
     return {"flops": tokens * flops["fwd"], "bytes": tokens * io["fwd"]}

@@ -308,10 +308,11 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
                    G_IN: tl.constexpr, FIRST: tl.constexpr, NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr,
                    DCUM_B: tl.constexpr, MOMENTS: tl.constexpr, P_SUMS: tl.constexpr,
                    DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
-    """Gradients over one segment: the direction walked ``ALONG`` (gates GA: its dq from the state S, and
-    its in-chunk dq, dk, dv) and the one walked ``AGAINST`` (gates GB read at the previous position: its
-    dk, dv from the state G of earlier queries). ``FIRST``: the first walk, else its results are added to
-    what is in DQ, DK, DV. RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
+    """Gradients over one segment, of one of two parts (each a launch of its own, ``ALONG`` or ``AGAINST``):
+    the direction walked along (gates GA: its dq from the state S, and its in-chunk dq, dk, dv), or the one
+    walked against (gates GB read at the previous position: its dk, dv from the state G of earlier
+    queries; DQ is not touched). ``FIRST``: the first launch, else its results are added to what is in
+    DQ, DK, DV. RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
     per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first two is
     wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero)."""
     bh, seg, b, h = _program(H)
@@ -338,15 +339,17 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
         do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
                               sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
         if FIRST:
-            dq = tl.zeros((C, BK), tl.float32)
             dk = tl.zeros((C, BK), tl.float32)
             dv = tl.zeros((C, BV), tl.float32)
         else:
-            dq = _rows(DQp, t, valid, sdq_l, Dk, BK).to(tl.float32)
             dk = _rows(DKp, t, valid, sdk_l, Dk, BK).to(tl.float32)
             dv = _rows(DVp, t, valid, sdv_l, Dv, BV).to(tl.float32)
         qf = q.to(tl.float32)
         if ALONG:
+            if FIRST:
+                dq = tl.zeros((C, BK), tl.float32)
+            else:
+                dq = _rows(DQp, t, valid, sdq_l, Dk, BK).to(tl.float32)
             g = _gates(GA + b * sga_b + h * sga_h, t, valid, sga_l, GATE_A, C)
             hi, lo, read, own, decay = _decays(g)
             W = _in_chunk_decay(hi, lo, C, STRICT, GATE_A)
@@ -358,6 +361,7 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
             dv += _mm(tl.trans(A), do, DT, PREC)
             dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
             dq += dq_in
+            _store_rows(DQp, dq, t, valid, sdq_l, Dk, BK)
             if P_SUMS:
                 P = tl.where(ii > jj, A * dA, 0.0)  # the diagonal crosses no gate
                 gain = tl.sum(qf * dq_in, 1)  # P summed over the keys of earlier chunks
@@ -385,7 +389,6 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
             qs = qf * own2[:, None]
             Gs = decay2 * Gs + _mm(tl.trans(qs), do, DT, PREC)
             gz = decay2 * gz + tl.sum(qs * dden[:, None], 0)
-        _store_rows(DQp, dq, t, valid, sdq_l, Dk, BK)
         _store_rows(DKp, tl.where(keep[:, None], dk, 0.0), t, valid, sdk_l, Dk, BK)
         _store_rows(DVp, dv, t, valid, sdv_l, Dv, BV)
     if MOMENTS:
@@ -436,17 +439,25 @@ def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class _Config:
-    """Block sizes, segments and product dtypes of one call."""
+# (largest chunk, warps) by the head's block size, forward and backward: the largest chunk whose walks
+# compile for sm_90 with no registers spilled (python -m lion_fairseq.ops.kernel_targets, docs/gpu.md): with
+# chunks of 64 and 4 warps the walks spilled up to 0.5 KB per thread forward and 3.9 KB backward at D = 64
+BLOCKS = {False: {64: (32, 8), 128: (16, 8)}, True: {64: (16, 8), 128: (16, 8)}}
 
-    def __init__(self, q: Tensor, v: Tensor, chunk_size: int, segment_chunks: Optional[int]):
+
+class _Config:
+    """Block sizes, segments and product dtypes of one pass (``backward`` or not) of a call."""
+
+    def __init__(self, q: Tensor, v: Tensor, chunk_size: int, segment_chunks: Optional[int],
+                 backward: bool = False):
         B, H, L, Dk = q.shape
         self.B, self.H, self.L, self.Dk, self.Dv = B, H, L, Dk, v.shape[-1]
-        # chunks are a power of two for tl.arange, at least 16 for tl.dot, at most 64: the C x C
-        # temporaries live in registers
-        self.C = min(64, max(16, triton.next_power_of_2(chunk_size)))
         self.BK = max(16, triton.next_power_of_2(Dk))
         self.BV = max(16, triton.next_power_of_2(self.Dv))
+        largest, self.num_warps = BLOCKS[backward][64 if max(self.BK, self.BV) <= 64 else 128]
+        # chunks are a power of two for tl.arange and at least 16 for tl.dot; the C x C temporaries and the
+        # states live in registers. The result does not depend on C.
+        self.C = min(largest, max(16, triton.next_power_of_2(chunk_size)))
         N = triton.cdiv(L, self.C)
         if segment_chunks is None:  # about four programs per streaming multiprocessor, whatever L is
             segment_chunks = (triton.cdiv(N, max(1, min(N, 4 * _processors(q.device) // (B * H))))
@@ -459,7 +470,6 @@ class _Config:
         self.SDT = tl.bfloat16 if self.DT == tl.bfloat16 else tl.float32  # float16 states would overflow
         tf32 = q.dtype != torch.float32 or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
         self.PREC = "tf32" if tf32 and not INTERPRETED else "ieee"
-        self.num_warps = 8 if max(self.BK, self.BV) > 64 else 4
 
     def consts(self) -> dict:
         return dict(C=self.C, BK=self.BK, BV=self.BV, PREC=self.PREC, num_warps=self.num_warps)
@@ -568,39 +578,43 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool,
             GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, SDT=cfg.SDT, **cfg.consts())
         return dq, dk, dv, None, None
     # walking right: the forward direction along (dq, in-chunk), the backward one against (its dk, dv);
-    # walking left: the other way round. A causal call has no backward direction (and b is None).
+    # walking left: the other way round. A causal call has no backward direction (and b is None). Each
+    # part is a launch of its own: fused, their tiles overflow the registers (kernel_targets: up to 3.9 KB
+    # spilled per thread on sm_90 at D = 64), where each alone fits.
     walks = [(False, f, b), (True, b, f)]
     grads = {}
-    for n, (reverse, g_along, against) in enumerate(walks):
-        has_along = not (reverse and causal)
+    first = True
+    for reverse, g_along, against in walks:
         which_along = 4 if reverse else 3  # index into needs of the along gate, and of the against gate
         which_against = 3 if reverse else 4
+        has_along = not (reverse and causal)
         moments = has_along and _per_head(g_along) and needs[which_along]
         dcum_a = has_along and g_along is not None and not _per_head(g_along) and needs[which_along]
         dcum_b = against is not None and not _per_head(against) and needs[which_against]
         has_against = reverse or not causal
-        if cfg.nseg > 1:
-            s_side = (_segment_states(cfg, reverse, g_along, pad, k, v, moments=moments) if has_along
-                      else [dy, dy])
-            if not moments:
-                s_side += [dy, dy]
-            g_side = (_segment_states(cfg, reverse, against, pad, k, v, grad=grad, normalize=normalize, eps=eps)
-                      if has_against else [dy, dy])
-            states = s_side + g_side
-        else:
-            states = [dy] * 6
         rca = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_a else dy
         rcb = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_b else dy
         mom = torch.empty(BH, cfg.nseg, dtype=torch.float32, device=q.device) if moments else dy
-        _backward_walk[(BH, cfg.nseg)](
-            q, k, v, dy, y, den, g_along if g_along is not None else dy, against if against is not None else dy,
-            pad if pad is not None else dy, *states, dq, dk, dv, rca, rcb, mom,
-            *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
-            REVERSE=reverse, STRICT=reverse, ALONG=has_along, AGAINST=has_against, GATE_A=g_along is not None,
-            GATE_B=against is not None, HAS_PAD=pad is not None, S_IN=cfg.nseg > 1 and has_along,
-            M_IN=cfg.nseg > 1 and moments, G_IN=cfg.nseg > 1 and has_against, FIRST=n == 0, NORMALIZE=normalize,
-            DCUM_A=dcum_a, DCUM_B=dcum_b, MOMENTS=moments, P_SUMS=dcum_a or moments, DT=cfg.DT, SDT=cfg.SDT,
-            **cfg.consts())
+        for along in [True] * has_along + [False] * has_against:
+            if cfg.nseg == 1:
+                states = [dy] * 6
+            elif along:
+                states = _segment_states(cfg, reverse, g_along, pad, k, v, moments=moments)
+                states += [dy] * (6 - len(states))
+            else:
+                states = [dy] * 4 + _segment_states(cfg, reverse, against, pad, k, v, grad=grad,
+                                                    normalize=normalize, eps=eps)
+            _backward_walk[(BH, cfg.nseg)](
+                q, k, v, dy, y, den, g_along if g_along is not None else dy, against if against is not None else dy,
+                pad if pad is not None else dy, *states, dq, dk, dv, rca, rcb, mom,
+                *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
+                REVERSE=reverse, STRICT=reverse, ALONG=along, AGAINST=not along, GATE_A=g_along is not None,
+                GATE_B=against is not None, HAS_PAD=pad is not None, S_IN=cfg.nseg > 1 and along,
+                M_IN=cfg.nseg > 1 and along and moments, G_IN=cfg.nseg > 1 and not along, FIRST=first,
+                NORMALIZE=normalize, DCUM_A=along and dcum_a, DCUM_B=not along and dcum_b,
+                MOMENTS=along and moments, P_SUMS=along and (dcum_a or moments), DT=cfg.DT, SDT=cfg.SDT,
+                **cfg.consts())
+            first = False
         grads[reverse] = (rca if dcum_a else None, rcb if dcum_b else None, mom if moments else None)
     df = _gate_grad(f, needs[3], grads[False][2], grads[False][0], grads[True][1], cfg, reverse=False)
     db = _gate_grad(b, needs[4], grads[True][2], grads[True][0], grads[False][1], cfg, reverse=True)
@@ -635,7 +649,8 @@ class _LionKernel(torch.autograd.Function):
         cfg = _Config(q, v, chunk_size, segment_chunks)
         y, den, total = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps)
         ctx.save_for_backward(q, k, v, f, b, pad, y, den, *(total or ()))
-        ctx.cfg, ctx.causal, ctx.normalize, ctx.eps = cfg, causal, normalize, eps
+        ctx.causal, ctx.normalize, ctx.eps = causal, normalize, eps
+        ctx.chunk_size, ctx.segment_chunks = chunk_size, segment_chunks
         ctx.has_total = total is not None
         return y
 
@@ -644,7 +659,8 @@ class _LionKernel(torch.autograd.Function):
         q, k, v, f, b, pad, y, den, *total = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        dq, dk, dv, df, db = _backward(ctx.cfg, q, k, v, f, b, pad, y, den, total if ctx.has_total else None,
+        cfg = _Config(q, v, ctx.chunk_size, ctx.segment_chunks, backward=True)
+        dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, den, total if ctx.has_total else None,
                                        dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad)
         return dq, dk, dv, df, db, None, None, None, None, None, None
 
@@ -668,7 +684,7 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor
     strides, one dtype of ``DTYPES``; log-gates float32 ``(b, h, l)`` with b in {1, B}, h in {1, H}, l in
     {1, L} (l = 1: one gate per head) or None; ``key_padding_mask`` ``(B, L)`` bool. Returns
     ``(B, H, L, Dv)`` in v's dtype; differentiable in q, k, v and the gates. ``chunk_size`` is rounded to a
-    power of two in [16, 64]; ``segment_chunks``: chunks per segment (default: enough segments to fill
+    power of two of at least 16 and capped by ``BLOCKS``; ``segment_chunks``: chunks per segment (default: enough segments to fill
     the GPU)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     pad = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None

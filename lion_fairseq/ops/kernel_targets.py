@@ -1,0 +1,192 @@
+"""LION's Triton kernel compiled ahead of time for GPU targets, on a machine without a GPU:
+
+    python -m lion_fairseq.ops.kernel_targets [--arch 90 80] [--head-dims 32 64 128] [--dtypes bfloat16 float32]
+
+Triton's CPU interpreter runs the kernel's arithmetic but never compiles it, so a construct that only the
+GPU compiler refuses (a dtype a ``tl.dot`` does not take, float64 cumulative sums, a layout conversion)
+would first fail on a lent GPU. This runs the kernel's host code on small CPU tensors with every launch
+recorded instead of run, then compiles each recorded launch with Triton's own compiler and ptxas for the
+given compute capabilities (90: H100/H200, 80: A100), and reads each binary's registers, stack (spilled
+registers) and shared memory with ``cuobjdump``. What it cannot show: speed, and values (the tests check
+those under the interpreter).
+
+Needs Triton with its NVIDIA backend (CUDA builds of PyTorch ship it) and ``TRITON_INTERPRET`` unset."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+LAUNCHED = ("_segment_sums", "_forward_walk", "_backward_walk", "_global_apply")
+POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8"}
+# the calls of every code path: (label, gates f and b as "token"/"head"/None, causal, padded)
+CASES = [("lit", None, None, False, False), ("lit-causal", None, None, True, False),
+         ("d", "head", "head", False, True), ("s", "token", "token", False, True),
+         ("s-causal", "token", None, True, False)]
+
+
+@dataclass
+class Launch:
+    kernel: str
+    signature: Dict[str, str]
+    constexprs: Dict[str, object]
+    num_warps: int
+
+    def key(self) -> tuple:
+        return (self.kernel, tuple(sorted(self.signature.items())), tuple(sorted(
+            (k, str(v)) for k, v in self.constexprs.items())), self.num_warps)
+
+
+class _Recorder:
+    """Stands in for one ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, fn, launches: List[Launch]):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return self._record
+
+    def _record(self, *args, num_warps: int = 4, **kwargs) -> None:
+        names = self.fn.arg_names
+        values = dict(zip(names, args), **kwargs)
+        constexpr = {p.name for p in self.fn.params if p.is_constexpr}
+        signature, constexprs = {}, {}
+        for name in names:
+            value = values[name]
+            if name in constexpr:
+                signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = POINTER[value.dtype]
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                signature[name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
+        self.launches.append(Launch(self.fn.__name__, signature, constexprs, num_warps))
+
+
+@contextmanager
+def recorded(kernel_module) -> Iterator[List[Launch]]:
+    """Inside the block, the module's kernels record their launches into the yielded list."""
+    launches: List[Launch] = []
+    saved = {name: getattr(kernel_module, name) for name in LAUNCHED}
+    for name, fn in saved.items():
+        setattr(kernel_module, name, _Recorder(fn, launches))
+    try:
+        yield launches
+    finally:
+        for name, fn in saved.items():
+            setattr(kernel_module, name, fn)
+
+
+def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = None) -> List[Launch]:
+    """Every distinct launch of the forward and backward of each case in ``CASES`` (those labelled in
+    ``cases``, default all) at head size ``head_dim`` (inputs in ``dtype``), with more than one segment so
+    that the segment passes run too."""
+    from . import kernel
+
+    B, H, L = 1, 2, 200
+    out: Dict[tuple, Launch] = {}
+    for label, f_kind, b_kind, causal, padded in CASES:
+        if cases is not None and label not in cases:
+            continue
+        q, k, v = (torch.randn(B, H, L, head_dim).to(dtype).requires_grad_() for _ in range(3))
+        gate = {"token": lambda: -torch.rand(B, H, L), "head": lambda: -torch.rand(1, H, 1), None: lambda: None}
+        f, b = gate[f_kind](), gate[b_kind]()
+        for g in (f, b):
+            if g is not None:
+                g.requires_grad_()
+        pad = torch.zeros(B, L, dtype=torch.bool) if padded else None
+        if pad is not None:
+            pad[:, -3:] = True
+        with recorded(kernel) as launches:
+            y = kernel.kernel_attention(q, k, v, f, b, causal, True, pad, 1e-6, chunk_size=64, segment_chunks=2)
+            y.backward(torch.ones_like(y))
+        for launch in launches:
+            out.setdefault(launch.key(), launch)
+    return list(out.values())
+
+
+def resources(cubin: bytes) -> Dict[str, int]:
+    """{"registers", "stack"} of a cubin, from ``cuobjdump --dump-resource-usage``."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = {key: re.search(rf"\b{tag}:(\d+)", text) for key, tag in (("registers", "REG"), ("stack", "STACK"))}
+    return {key: int(m.group(1)) if m else 0 for key, m in found.items()}
+
+
+def compile_for(launch: Launch, arch: int) -> Dict[str, object]:
+    """Compile one recorded launch for compute capability ``arch``: its resources and compile time."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import kernel
+
+    fn = getattr(kernel, launch.kernel)
+    start = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
+    seconds = time.perf_counter() - start
+    # Triton's shared memory is dynamic, so it is in its metadata, not in the binary's static counts
+    return dict(resources(compiled.asm["cubin"]), shared=compiled.metadata.shared, seconds=round(seconds, 1))
+
+
+def describe(launch: Launch) -> str:
+    """The launch's specialisation in a few words: its flags that are on, and the block sizes."""
+    flags = [k for k, v in launch.constexprs.items() if v is True]
+    dt = launch.constexprs.get("DT")
+    return (f"C={launch.constexprs['C']} BK={launch.constexprs['BK']} BV={launch.constexprs['BV']}"
+            f"{' DT=' + str(dt) if dt is not None else ''} warps={launch.num_warps} {' '.join(flags)}")
+
+
+def table(archs: List[int], head_dims: List[int], dtypes: List[torch.dtype],
+          cases: Optional[List[str]] = None) -> List[Dict[str, object]]:
+    rows = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for launch in launches_of(head_dim, dtype, cases):
+                for arch in archs:
+                    rows.append(dict(arch=f"sm_{arch}", dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
+                                     kernel=launch.kernel, spec=describe(launch), **compile_for(launch, arch)))
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lion_fairseq.ops.kernel_targets", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90 = sm_90)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "float32"],
+                        choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=None,
+                        help="gate kinds to compile (default: all)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
+        return 2
+    rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases)
+    print("| target | dtype | D | kernel | specialisation | registers | stack bytes | shared bytes | compile s |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['kernel']} | {r['spec']} | {r['registers']} | "
+              f"{r['stack']} | {r['shared']} | {r['seconds']} |")
+    spilled = [r for r in rows if r["stack"] > 0]
+    print(f"\n{len(rows)} compiled, {len(spilled)} with stack use (spilled registers)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
