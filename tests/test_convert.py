@@ -36,6 +36,18 @@ def roberta(text_data_bin, tmp_path_factory):
     return save / "checkpoint_last.pt"
 
 
+def assert_gates_by_rule(state, layers: str, variant: str) -> None:
+    """Both layers' gates at the conversion's rule: LION-D's logits at GATE_LOGIT, LION-S's projection with
+    zero weights and GATE_LOGIT biases (2 heads, width 64)."""
+    for layer in (0, 1):
+        attn = f"{layers}{layer}.self_attn."
+        if variant == "d":
+            assert torch.equal(state[attn + "gate_logit"], torch.full((2,), GATE_LOGIT))
+        if variant == "s":
+            assert torch.equal(state[attn + "gate_proj.weight"], torch.zeros(2, 64))
+            assert torch.equal(state[attn + "gate_proj.bias"], torch.full((2,), GATE_LOGIT))
+
+
 def teacher_state(path):
     state = torch.load(path, map_location="cpu", weights_only=False)["model"]
     return {k.replace("decoder.", "encoder.", 1): v for k, v in state.items()}
@@ -60,13 +72,7 @@ def test_softmax_tensors_copied_and_gates_by_rule(roberta, text_data_bin, varian
         kept = {k for k in kept if "embed_positions" not in k}
     assert kept == set(shared)
     new = sorted(set(mine) - set(teacher))
-    for layer in (0, 1):
-        attn = f"encoder.sentence_encoder.layers.{layer}.self_attn."
-        if variant == "d":
-            assert torch.equal(mine[attn + "gate_logit"], torch.full((2,), GATE_LOGIT))
-        if variant == "s":
-            assert torch.equal(mine[attn + "gate_proj.weight"], torch.zeros(2, 64))
-            assert torch.equal(mine[attn + "gate_proj.bias"], torch.full((2,), GATE_LOGIT))
+    assert_gates_by_rule(mine, "encoder.sentence_encoder.layers.", variant)
     assert len(new) == {"lit": 0, "d": 2, "s": 4}[variant]
 
 
@@ -235,13 +241,7 @@ def test_lm_tensors_copied_gates_by_rule_positions_kept_or_dropped(transformer_l
     assert kept == set(mine) & set(teacher)
     new = set(mine) - set(teacher)
     assert len(new) == {"lit": 0, "d": 2, "s": 4}[variant]
-    for layer in (0, 1):
-        attn = f"decoder.layers.{layer}.self_attn."
-        if variant == "d":
-            assert torch.equal(mine[attn + "gate_logit"], torch.full((2,), GATE_LOGIT))
-        if variant == "s":
-            assert torch.equal(mine[attn + "gate_proj.weight"], torch.zeros(2, 64))
-            assert torch.equal(mine[attn + "gate_proj.bias"], torch.full((2,), GATE_LOGIT))
+    assert_gates_by_rule(mine, "decoder.layers.", variant)
 
 
 def valid_bits(task, model) -> float:
