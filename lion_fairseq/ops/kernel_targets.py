@@ -85,10 +85,12 @@ def recorded(kernel_module) -> Iterator[List[Launch]]:
             setattr(kernel_module, name, fn)
 
 
-def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = None) -> List[Launch]:
+def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = None,
+                tf32: bool = False) -> List[Launch]:
     """Every distinct launch of the forward and backward of each case in ``CASES`` (those labelled in
     ``cases``, default all) at head size ``head_dim`` (inputs in ``dtype``), with more than one segment so
-    that the segment passes run too."""
+    that the segment passes run too. ``tf32``: float32 products as on CUDA with
+    ``torch.backends.cuda.matmul.allow_tf32`` (on CPU tensors the kernel would take IEEE products)."""
     from . import kernel
 
     B, H, L = 1, 2, 200
@@ -109,6 +111,8 @@ def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = 
             y = kernel.kernel_attention(q, k, v, f, b, causal, True, pad, 1e-6, chunk_size=64, segment_chunks=2)
             y.backward(torch.ones_like(y))
         for launch in launches:
+            if tf32:
+                launch.constexprs["PREC"] = "tf32"
             out.setdefault(launch.key(), launch)
     return list(out.values())
 
@@ -152,12 +156,13 @@ def describe(launch: Launch) -> str:
             f"{' DT=' + str(dt) if dt is not None else ''} warps={launch.num_warps} {' '.join(flags)}")
 
 
-def table(archs: List[int], head_dims: List[int], dtypes: List[torch.dtype],
-          cases: Optional[List[str]] = None) -> List[Dict[str, object]]:
+def table(archs: List[int], head_dims: List[int], dtypes: List[torch.dtype], cases: Optional[List[str]] = None,
+          tf32: bool = False) -> List[Dict[str, object]]:
+    """One row per launch and target: what ``compile_for`` reads, with the launch's description."""
     rows = []
     for dtype in dtypes:
         for head_dim in head_dims:
-            for launch in launches_of(head_dim, dtype, cases):
+            for launch in launches_of(head_dim, dtype, cases, tf32 and dtype == torch.float32):
                 for arch in archs:
                     rows.append(dict(arch=f"sm_{arch}", dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
                                      kernel=launch.kernel, spec=describe(launch), **compile_for(launch, arch)))
@@ -173,18 +178,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                         choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=None,
                         help="gate kinds to compile (default: all)")
+    parser.add_argument("--tf32", action="store_true",
+                        help="float32 products in TF32, as with torch.backends.cuda.matmul.allow_tf32 (default: IEEE)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
         return 2
-    rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases)
+    rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases, args.tf32)
     print("| target | dtype | D | kernel | specialisation | registers | stack bytes | shared bytes | compile s |")
     print("|---|---|---:|---|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['kernel']} | {r['spec']} | {r['registers']} | "
               f"{r['stack']} | {r['shared']} | {r['seconds']} |")
-    spilled = [r for r in rows if r["stack"] > 0]
-    print(f"\n{len(rows)} compiled, {len(spilled)} with stack use (spilled registers)")
+    print("\n| target | dtype | D | kernel | launches | with stack use (spilled registers) | most stack bytes |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    groups: Dict[tuple, List[int]] = {}
+    for r in rows:
+        groups.setdefault((r["arch"], r["dtype"], r["head_dim"], r["kernel"]), []).append(r["stack"])
+    for (arch, dtype, head_dim, name), stacks in groups.items():
+        print(f"| {arch} | {dtype} | {head_dim} | {name} | {len(stacks)} | {sum(s > 0 for s in stacks)} | {max(stacks)} |")
     return 0
 
 
