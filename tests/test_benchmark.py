@@ -48,3 +48,63 @@ def test_operator_benchmark_records_the_chunk_forms_matmuls():
     replay = op_bench.replay_gemms(calls, repeats=1)
     assert replay["flops"] == op_bench.chunk_flops(B, H, L, D, D, C)["fwdbwd"]
     assert replay["best"] > 0
+
+
+def test_uptrain_fine_tunes_the_word_order_task_from_the_pretrained_checkpoint(tmp_path):
+    """benchmark.uptrain's GLUE step at tiny size. The word-order task: every dev sentence comes from the
+    corpus's held-out splits, and its shuffled twin keeps the first and last words and the same words.
+    The fine-tune: at lr 0 the classifier it keeps has every tensor of the checkpoint it started from
+    (the strict load copied them all) plus a 2-class head, and a dev accuracy in [0, 1] is read from
+    fairseq's log."""
+    import torch
+
+    from lion_fairseq.benchmark import uptrain
+    from lion_fairseq.benchmark.quality import prepare_text
+
+    data = prepare_text(tmp_path)
+    task = uptrain.prepare_word_order(tmp_path, data)
+    tsv = {split: (tmp_path / "word_order" / f"{split}.tsv").read_text().splitlines() for split in ("train", "dev")}
+    rows = {split: [line.split("\t") for line in lines[1:]] for split, lines in tsv.items()}  # [sentence, label]
+    train_sentences = {s for s, _ in rows["train"]}
+    for (original, label), (shuffled, other) in zip(rows["dev"][::2], rows["dev"][1::2]):
+        assert (label, other) == ("original", "shuffled") and original not in train_sentences
+        a, b = original.split(), shuffled.split()
+        assert a != b and (a[0], a[-1]) == (b[0], b[-1]) and sorted(a) == sorted(b)
+    assert len(rows["dev"]) > 200 and len(rows["train"]) > 10 * len(rows["dev"])
+
+    # a masked-LM checkpoint of the benchmark's own train(), as its uptrained ones are
+    pretrained = uptrain.train(tmp_path, data, "pretrained", ["--arch", "lion_s_tiny"], 2, seed=1, validate_every=2)
+    tuned = uptrain.fine_tune(tmp_path, task, "tuned", ["--arch", "lion_s_tiny", "--lr", "0"],
+                              pretrained["checkpoint"], seed=1, updates=2)
+    assert 0.0 <= tuned["accuracy"] <= 1.0
+    start = torch.load(pretrained["checkpoint"], map_location="cpu", weights_only=True)["model"]
+    classifier = torch.load(tuned["checkpoint"], map_location="cpu", weights_only=True)["model"]
+    assert all(torch.equal(classifier[name], tensor) for name, tensor in start.items())
+    assert classifier["classification_heads.sentence_classification_head.out_proj.weight"].shape[0] == 2
+
+
+
+def test_uptrain_lm_starts_lion_from_a_transformer_lm(tmp_path, monkeypatch):
+    """benchmark.uptrain_lm's chain at tiny size, through fairseq-train, python -m lion_fairseq.convert and
+    fairseq-eval-lm as a user runs them: a transformer_lm teacher (4 updates), converted to LION-S with its
+    tensors as they were, scored at step 0, and uptrained from the teacher with its post-norm structure."""
+    import torch
+
+    from lion_fairseq.benchmark import uptrain, uptrain_lm
+    from lion_fairseq.benchmark.quality import prepare_text
+    from lion_fairseq.demo.commands import python_module, run
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as the benchmark runs its commands
+    data = prepare_text(tmp_path)
+    teacher = uptrain.train(tmp_path, data, "teacher", uptrain_lm.TEACHER, 4, seed=1, validate_every=4, what="lm")
+    converted = tmp_path / "converted.pt"
+    run(python_module("lion_fairseq.convert") + [str(teacher["checkpoint"]), str(converted), "--arch",
+                                                  "lion_s_lm_tiny", "--data", str(data)], tmp_path / "convert.log")
+    mine = torch.load(converted, map_location="cpu", weights_only=True)["model"]
+    taught = torch.load(teacher["checkpoint"], map_location="cpu", weights_only=True)["model"]
+    for name in ("decoder.embed_tokens.weight", "decoder.layers.1.self_attn.q_proj.weight", "decoder.layers.1.fc2.bias"):
+        assert torch.equal(mine[name], taught[name])
+    assert 0 < uptrain_lm.valid_loss(tmp_path, data, converted, "converted") < 20
+    up = uptrain.train(tmp_path, data, "uptrained", ["--arch", "lion_s_lm_tiny", *uptrain_lm.STRUCTURE,
+                       "--finetune-from-model", str(teacher["checkpoint"])], 2, seed=1, validate_every=2, what="lm")
+    assert up["curve"] and up["checkpoint"].exists()

@@ -139,9 +139,9 @@ def train_command(what: str, data: Path, save: Path, flags: List[str], updates: 
     return argv
 
 
-def eval_lm_command(data: Path, checkpoint: Path, tokens: int) -> List[str]:
+def eval_lm_command(data: Path, checkpoint: Path, tokens: int, subset: str = "test") -> List[str]:
     return console("fairseq-eval-lm") + [
-        str(data), "--user-dir", user_dir_path(), "--path", str(checkpoint), "--gen-subset", "test",
+        str(data), "--user-dir", user_dir_path(), "--path", str(checkpoint), "--gen-subset", subset,
         "--tokens-per-sample", str(tokens), "--batch-size", "4", "--required-batch-size-multiple", "1",
         "--num-workers", "0", "--cpu"]
 
