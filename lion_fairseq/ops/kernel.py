@@ -455,6 +455,8 @@ class _Config:
         self.BK = max(16, triton.next_power_of_2(Dk))
         self.BV = max(16, triton.next_power_of_2(self.Dv))
         largest, self.num_warps = BLOCKS[backward][64 if max(self.BK, self.BV) <= 64 else 128]
+        if INTERPRETED:  # no registers to spare there, and a step costs the same at any chunk: take fewer steps
+            largest = 64
         # chunks are a power of two for tl.arange and at least 16 for tl.dot; the C x C temporaries and the
         # states live in registers. The result does not depend on C.
         self.C = min(largest, max(16, triton.next_power_of_2(chunk_size)))
