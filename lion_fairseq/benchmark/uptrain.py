@@ -330,18 +330,25 @@ def plot(rows: List[Dict], path: Path) -> bool:
     return True
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.uptrain", description=__doc__,
+def arguments(module: str, doc: str, updates: int, argv: Optional[List[str]]) -> Tuple[argparse.Namespace, Path]:
+    """The command line of an uptraining benchmark (``--out``, ``--seeds``, ``--updates`` defaulting to
+    ``updates``) and its output folder, made; each fairseq command it runs then takes one thread."""
+    parser = argparse.ArgumentParser(prog=f"python -m lion_fairseq.benchmark.{module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="outputs/benchmark/uptrain")
+    parser.add_argument("--out", default=f"outputs/benchmark/{module}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--updates", type=int, default=1500, help="the teacher's updates, N (uptraining: N/10)")
+    parser.add_argument("--updates", type=int, default=updates, help="the teacher's updates, N (uptraining: N/10)")
     args = parser.parse_args(argv)
     if args.updates < 20:
         raise ValueError("--updates must be at least 20 (uptraining takes a tenth of it)")
     os.environ["OMP_NUM_THREADS"] = "1"  # each fairseq command on one thread, two seeds at a time
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    return args, out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args, out = arguments("uptrain", __doc__, 1500, argv)
     data = prepare_text(out)
     task = prepare_word_order(out, data)
     rows, tuned = run_seeds(out, data, task, args.seeds, args.updates)

@@ -16,16 +16,14 @@ On this 90k-token corpus a softmax LM overfits within a few hundred updates (``b
 every model is its best valid checkpoint (fairseq's ``checkpoint_best.pt``, saved each epoch of about 40
 updates and at the end), and every loss is ``fairseq-eval-lm``'s on the valid split, in bits, at the
 training length. Writes ``uptrain_lm.md``, ``uptrain_lm.json`` and ``uptrain_lm.png`` into ``--out``."""
-import argparse
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..demo.commands import python_module, run
 from .quality import TINY_LM, TOKENS, eval_lm_command, eval_loss, prepare_text
-from .uptrain import plot, slug, table, train
+from .uptrain import arguments, plot, slug, table, train
 
 TEACHER = ["--arch", "transformer_lm", *TINY_LM]
 # what the teacher's weights cannot show, for the LION LMs that start from it (python -m lion_fairseq.convert
@@ -73,17 +71,7 @@ def one_seed(root: Path, data: Path, seed: int, N: int) -> List[Dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.uptrain_lm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="outputs/benchmark/uptrain_lm")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--updates", type=int, default=600, help="the teacher's updates, N (uptraining: N/10)")
-    args = parser.parse_args(argv)
-    if args.updates < 20:
-        raise ValueError("--updates must be at least 20 (uptraining takes a tenth of it)")
-    os.environ["OMP_NUM_THREADS"] = "1"  # each fairseq command on one thread, two seeds at a time
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = arguments("uptrain_lm", __doc__, 600, argv)
     data = prepare_text(out)
     with ThreadPoolExecutor(2) as pool:
         rows = [r for rs in pool.map(lambda s: one_seed(out / f"seed{s}", data, s, args.updates), args.seeds)
