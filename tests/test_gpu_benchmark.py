@@ -64,12 +64,16 @@ def test_measure_times_the_kernel_with_its_estimated_rates():
 
 def test_kernel_cost_counts_both_walks():
     """Gated, the forward is two walks of four products (2 C D or 2 D^2 per token each) and the segments'
-    sums; without gates, the sums and one read of the total state. The backward's four launches each read
-    q, k, v, dy and y."""
+    sums; without gates, the sums and one read of the total state. Before a backward the forward also keeps
+    y's second half; the backward reads dy and y's pair once for dden, its four launches each read q, k, v
+    and dy, and dq, dk, dv are each a pair written, read, and a row written."""
     gated = gpu.kernel_cost(1, 1, 1, 64, "token", "fwd", chunks=(64, 16))
     assert gated["flops"] == 2 * (4 * 64 * 64 + 4 * 64 * 64) + 4 * 64 * 64
     fwd, both = (gpu.kernel_cost(1, 1, 1, 64, "token", m, segments=False) for m in ("fwd", "fwdbwd"))
-    assert both["bytes"] - fwd["bytes"] == (4 * 5 + 17) * 64 * 2 + 8
+    assert both["bytes"] - fwd["bytes"] == (1 + 3 + 4 * 4 + 3 * 5) * 64 * 2 + 48
+    assert fwd["bytes"] == (6 + 2 * 2 + 1) * 64 * 2 + 12
+    # float32 sums need no second half
+    assert gpu.kernel_cost(1, 1, 1, 64, "token", "fwd", segments=False, in_bytes=4)["bytes"] == 9 * 64 * 4 + 12
     assert gpu.kernel_cost(1, 1, 1, 64, "none", "fwd")["flops"] == 4 * 64 * 64
     both = gpu.kernel_cost(2, 3, 5, 64, "head", "fwdbwd")
     assert both["flops"] > 3 * gpu.kernel_cost(2, 3, 5, 64, "head", "fwd")["flops"]

@@ -1,12 +1,15 @@
-"""flash-linear-attention's real Triton kernels on CPU, under Triton's interpreter (``TRITON_INTERPRET=1``,
-set by conftest.py before fla is imported). Two patches of the interpreter, none of fla's files
-(measured with triton 3.9.0 and fla-core 0.6.0):
+"""flash-linear-attention's real Triton kernels, and LION's own (ops/kernel.py), on CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, set by conftest.py before fla is imported). Three patches of the
+interpreter, none of fla's files (measured with triton 3.9.0 and fla-core 0.6.0):
 
 - the autotuner benchmarks its configs on a device driver, of which the CPU has none ("0 active
   drivers"): each kernel keeps its first config, as Triton does when only one is given;
 - the interpreter leaves the variable of a ``range``/``tl.range`` loop a Python int, where compiled Triton
   makes it a tensor, so fla's ``i_t.to(tl.int64)`` fails: the AST rewriter that the interpreter runs over
-  every kernel makes it a tensor at the top of each such loop, as it already does for assignments.
+  every kernel makes it a tensor at the top of each such loop, as it already does for assignments;
+- the interpreter converts float32 to bfloat16 by dropping the low 16 bits, where a GPU rounds to nearest
+  (even), as Triton's semantics say: a kernel's bfloat16 stores then came out with twice the GPU's error,
+  and biased toward zero. They round to nearest here.
 
 The interpreter computes 16-bit floats on their raw bits, so only float32 runs here, which is what
 ``lion_attention`` hands fla (``ops/fla.py``)."""
@@ -14,6 +17,8 @@ import ast
 import importlib.util
 import os
 from typing import Optional
+
+import numpy as np
 
 AVAILABLE = (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
              and importlib.util.find_spec("fla") is not None)
@@ -34,12 +39,28 @@ def _loop_variable_as_tensor(node: ast.For) -> Optional[ast.Assign]:
     return ast.copy_location(ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())], value=value), node)
 
 
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values -> the bits of the nearest bfloat16 (ties to even), as uint16."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
 def install() -> None:
-    """Apply both patches (idempotent). Call before the first kernel runs: kernels are rewritten once."""
+    """Apply the patches (idempotent). Call before the first kernel runs: kernels are rewritten once."""
+    import triton.language as tl
     from triton.runtime import autotuner, interpreter
 
     if getattr(interpreter.FunctionRewriter.ast_transformer, "lion_patched", False):
         return
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(bfloat16_bits(src.data), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
     prune = autotuner.Autotuner.prune_configs
     autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
 

@@ -216,29 +216,37 @@ def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: T
     """An estimate, counted from ``ops/kernel.py``, of one bidirectional normalised call: FLOPs (2 per
     multiply-add, matmuls only) and bytes moved (each launch reads its chunk's rows once; no cache reuse
     across launches is assumed). Per token and head, with Dk = Dv = D and chunks of ``chunks`` = (C forward,
-    C backward), the kernel's at D = 64 (``BLOCKS``):
+    C backward), the kernel's at D = 64 (``BLOCKS``). A "row" is D values of ``in_bytes``; with 16-bit
+    inputs a sum that another launch reads is stored as a pair of rows (``_store_sum``).
 
     - forward, gated: two walks of ``q k^T``, ``A v`` (2 C D each), ``q S``, ``k^T v`` (2 D^2 each), plus
-      one more ``k^T v`` per walk for the segments' sums; reads q, k, v per walk (and k, v for the sums),
-      writes y twice, reads it once, and the float32 row sums;
+      one more ``k^T v`` per walk for the segments' sums; reads q, k, v per walk (and k, v for the sums);
+      y is written by the first walk, read and written by the second (pairs, the second's only where a
+      backward follows), and the float32 row sums written twice, read once;
     - forward, no gates: the sums ``k^T v`` and one ``q S``; reads k, v, q once, writes y once;
-    - backward, gated: per walk, one launch along (five C x C products, two state products) and one
-      against (three state products), plus the segments' sums of both states; each launch reads q, k, v, dy
-      and y, and dq, dk, dv are written 10 rows and read 7 in all (the first launch only writes);
-      no gates: the two sums and three state products."""
+    - backward, gated: ``dden`` from dy and y; per walk, one launch along (``q k^T``, ``do v^T``,
+      ``dA k``: three C x C products; two state products) and one against (four C x C products, three
+      state products), plus the segments' sums of both states; each launch reads q, k, v, dy and two
+      float32 row values; dq, dk, dv are each written by two launches, the second adding to the first's pair;
+    - backward, no gates: ``dden``, the queries' sums and three state products; reads q, k, v, dy once, and
+      writes dq, dk, dv once."""
     tokens = B * H * L
-    elems = D * in_bytes
+    row = D * in_bytes
+    pair = 1 + (in_bytes < 4)  # rows per stored sum that is read again
     c_fwd, c_bwd = chunks
     if gates == "none":
         flops = {"fwd": 4 * D * D, "bwd": 10 * D * D}
-        io = {"fwd": 3 * elems + 4, "bwd": 8 * elems + 4}
+        io = {"fwd": 4 * row + 4, "bwd": (9 + pair) * row + 24}
     else:
         sums = 2 * 2 * D * D if segments else 0
-        flops = {"fwd": 2 * (4 * c_fwd * D + 4 * D * D) + sums, "bwd": 2 * (10 * c_bwd * D + 10 * D * D) + 2 * sums}
-        io = {"fwd": 2 * 3 * elems + (4 * elems if segments else 0) + 3 * elems + 12,
-              "bwd": 4 * 5 * elems + 17 * elems + (8 * elems if segments else 0) + 8}
+        flops = {"fwd": 2 * (4 * c_fwd * D + 4 * D * D) + sums, "bwd": 2 * (14 * c_bwd * D + 10 * D * D) + 2 * sums}
+        io = {"fwd": (6 + (4 if segments else 0) + 2 * pair + 1) * row + 12,
+              "bwd": ((1 + pair) + 4 * 4 + 3 * (1 + 2 * pair) + (8 if segments else 0)) * row + 8 + 4 * 8 +
+                     (16 if segments else 0) + 8}
+    y_kept = (pair - 1) * row  # the second half of y's pair, written where a backward will read it
     if mode == "fwdbwd":
-        return {"flops": tokens * (flops["fwd"] + flops["bwd"]), "bytes": tokens * (io["fwd"] + io["bwd"])}
+        return {"flops": tokens * (flops["fwd"] + flops["bwd"]),
+                "bytes": tokens * (io["fwd"] + y_kept + io["bwd"])}
     return {"flops": tokens * flops["fwd"], "bytes": tokens * io["fwd"]}
 
 

@@ -23,15 +23,24 @@ and then every segment walks on its own: ``B*H*segments`` programs whatever L is
 
 The two directions meet in the normaliser, ``y = (n_fwd + n_bwd) / (d_fwd + d_bwd + eps)``: the first walk
 leaves ``n/(d+eps)`` in y (in y's dtype: a weighted mean of v, so it needs no more range than y) and
-``d`` in a float32 row buffer, the second reads them back and writes the result. Memory beyond the
-outputs: the row sums ``(B, H, L)`` and the segments' states.
+``d`` in a float32 row buffer, the second reads them back and writes the result.
 
-Backward: with ``do = dy/(d+eps)``, ``dden = -(dy . y)/(d+eps)`` and ``dA_ij = do_i . v_j + dden_i``,
-``dq_i = sum_j M_ij dA_ij k_j`` reads the forward state from the query's side, while ``dk_j``, ``dv_j``
-read a state ``G = sum_i q_i do_i^T`` from the other side. So each walk carries the state of the direction
-it walks along (its dq, and its in-chunk dq, dk, dv) and the state ``G`` of the direction it walks against
-(that direction's dk, dv from other chunks), whose mask in the walk's frame has the gates of the
-neighbouring position (``log_a_bwd[t-1]`` walking right, ``log_a_fwd[t+1]`` walking left).
+16-bit sums that another launch reads again are stored as pairs, the value rounded to the dtype and what
+that rounding lost (``_store_sum``), which together keep about float32's digits: the first walk's part of
+y, the final y where a backward will read it, and the backward's partial dq, dk, dv. Rounded to 16 bits
+instead, they cost 3x in dq's error and 250x in the gates' (their gradients cancel against y). Memory
+beyond the outputs: the row sums ``(B, H, L)``, the segments' states and, before a backward, y's second
+half.
+
+Backward: with ``do = dy/(d+eps)``, ``dden = -(dy . y)/(d+eps)`` (a pass of its own, ``_row_grads``) and
+``dA_ij = do_i . v_j + dden_i``, ``dq_i = sum_j M_ij dA_ij k_j`` reads the forward state from the query's
+side, while ``dk_j``, ``dv_j`` read a state ``G = sum_i q_i do_i^T`` from the other side. So each walk has
+two parts: along, it carries the state of the direction it walks along and writes that direction's part
+of dq (in the chunk and from the state); against, it carries the state ``G`` of the direction it walks
+against and writes that direction's part of dk and dv (in the chunk, from the transposed scores, and from
+G). That direction's mask in the walk's frame has the gates of the neighbouring position
+(``log_a_bwd[t-1]`` walking right, ``log_a_fwd[t+1]`` walking left). Each gradient is written by two
+launches, one per direction, and the second adds to the first's pair.
 
 Gate gradients: ``d loss / d log g_t = sum_{j < t <= i} P_ij`` with ``P_ij = M_ij (q_i . k_j) dA_ij``.
 Per-token gates take it as a suffix sum of (row sum - column sum) of P, as the PyTorch chunk form does.
@@ -42,7 +51,8 @@ row by row: inside a chunk from P, and from earlier chunks through a second stat
 
 Products: float32 inputs multiply in float32 (TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows
 it); 16-bit inputs multiply in their dtype on tensor cores with float32 accumulation, except that float16
-products that read a state (whose entries grow with L past float16's range) run in float32. Under Triton's
+products that read a state (whose entries grow with L past float16's range) or take do (``dy/(d+eps)``,
+past float16's range where a row sum is below eps, as in a padded row) run in float32. Under Triton's
 CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products run in float32."""
 import functools
 import os
@@ -109,6 +119,26 @@ def _store_rows(ptr, x, t, valid, stride_l, D, BD: tl.constexpr):
 
 
 @triton.jit
+def _load_sum(ptr, lo, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr):
+    """Rows of a float32 sum stored as a pair (see ``_store_sum``): ptr's rows plus, when SPLIT, lo's."""
+    x = _rows(ptr, t, valid, stride_l, D, BD).to(tl.float32)
+    if SPLIT:
+        x += _rows(lo, t, valid, stride_l, D, BD).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_sum(ptr, lo, x, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr):
+    """Float32 rows x into ptr's dtype and, when SPLIT, what that rounding lost into lo (same dtype and
+    strides): in 16 bits the pair keeps about as many digits as float32, for a sum that a later launch
+    goes on adding to, or that the backward reads."""
+    hi = x.to(ptr.dtype.element_ty)
+    _store_rows(ptr, hi, t, valid, stride_l, D, BD)
+    if SPLIT:
+        _store_rows(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD)
+
+
+@triton.jit
 def _gates(ptr, t, valid, stride_l, HAS: tl.constexpr, C: tl.constexpr):
     if HAS:
         g = tl.load(ptr + t * stride_l, mask=valid, other=0.0).to(tl.float32)
@@ -128,17 +158,15 @@ def _keys(pad, t, valid, stride_l, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _grad_rows(dy_ptr, y_ptr, den_ptr, t, valid, sdy_l, sy_l, Dv, eps, BV: tl.constexpr, C: tl.constexpr,
+def _grad_rows(dy_ptr, den_ptr, dden_ptr, t, valid, sdy_l, Dv, eps, BV: tl.constexpr, C: tl.constexpr,
                NORMALIZE: tl.constexpr):
-    """The gradients w.r.t. the unnormalised output (do) and the row sum (dden) of a chunk's rows."""
-    dy = _rows(dy_ptr, t, valid, sdy_l, Dv, BV).to(tl.float32)
+    """The gradients w.r.t. the unnormalised output (do) and the row sum (dden, from ``_row_grads``) of a
+    chunk's rows."""
+    do = _rows(dy_ptr, t, valid, sdy_l, Dv, BV).to(tl.float32)
     if NORMALIZE:
-        inv = 1.0 / (tl.load(den_ptr + t, mask=valid, other=0.0) + eps)
-        y = _rows(y_ptr, t, valid, sy_l, Dv, BV).to(tl.float32)
-        do = dy * inv[:, None]
-        dden = -tl.sum(dy * y, 1) * inv
+        do = do * (1.0 / (tl.load(den_ptr + t, mask=valid, other=0.0) + eps))[:, None]
+        dden = tl.load(dden_ptr + t, mask=valid, other=0.0)
     else:
-        do = dy
         dden = tl.zeros((C,), tl.float32)
     return do, dden
 
@@ -196,15 +224,15 @@ def _load_state(ptr, z_ptr, idx, BK: tl.constexpr, BV: tl.constexpr, HAS: tl.con
 # ---------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _segment_sums(X, YV, DY, Y, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
-                  sx_b, sx_h, sx_l, syv_b, syv_h, syv_l, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l,
+def _segment_sums(X, YV, DY, DDEN, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
+                  sx_b, sx_h, sx_l, syv_b, syv_h, syv_l, sdy_b, sdy_h, sdy_l,
                   sg_b, sg_h, sg_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
                   GRAD: tl.constexpr, HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, MOMENTS: tl.constexpr,
                   NORMALIZE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """One segment's own contribution to a state at its end, in the walk's frame, and the sum of its
     log-gates. ``GRAD=False``: ``sum_j decay_j k_j v_j^T`` (keys X = k, YV = v, the direction's own gates).
-    ``GRAD=True``: ``sum_i decay_i q_i do_i^T`` (X = q; do from DY, Y, DEN; the gates of the previous
+    ``GRAD=True``: ``sum_i decay_i q_i do_i^T`` (X = q; do from DY, DEN, DDEN; the gates of the previous
     position). ``MOMENTS``: also the distance-weighted sums of a per-head gate's gradient."""
     bh, seg, b, h = _program(H)
     Xp = X + b * sx_b + h * sx_h
@@ -221,8 +249,8 @@ def _segment_sums(X, YV, DY, Y, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
             tp, vp = _before(t, valid, L, REVERSE)
             g = _gates(Gp, tp, vp, sg_l, HAS_GATE, C)
             x = _rows(Xp, t, valid, sx_l, Dk, BK).to(tl.float32)
-            y, w = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
-                              sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
+            y, w = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv,
+                              eps, BV, C, NORMALIZE)
         else:
             g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
             keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
@@ -250,21 +278,22 @@ def _segment_sums(X, YV, DY, Y, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
 
 
 @triton.jit
-def _forward_walk(Q, K, V, G, PAD, Y, DEN, S0, Z0,
+def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
                   sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sy_b, sy_h, sy_l,
                   sg_b, sg_h, sg_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
                   STRICT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, HAS_STATE: tl.constexpr,
-                  FIRST: tl.constexpr, LAST: tl.constexpr, NORMALIZE: tl.constexpr,
+                  FIRST: tl.constexpr, NORMALIZE: tl.constexpr, LO_IN: tl.constexpr, LO_OUT: tl.constexpr,
                   DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
     """One direction over one segment: in-chunk attention plus what the queries read from the state.
     ``FIRST``: the first direction, its result left in Y (``n/(d+eps)``, or n) and DEN (d); otherwise that
-    is read back and added; ``LAST``: the final output and row sums are written."""
+    is read back and added. ``LO_IN``, ``LO_OUT``: Y is read, written, as a pair with YL (``_store_sum``)."""
     bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
     Vp = V + b * sv_b + h * sv_h
     Yp = Y + b * sy_b + h * sy_h
+    YLp = YL + b * sy_b + h * sy_h
     Gp = G + b * sg_b + h * sg_h
     DENp = DEN + bh * L
     S, z = _load_state(S0, Z0, bh * tl.num_programs(1) + seg, BK, BV, HAS_STATE)
@@ -283,7 +312,7 @@ def _forward_walk(Q, K, V, G, PAD, Y, DEN, S0, Z0,
         S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
         z = decay * z + tl.sum(ks, 0)
         if not FIRST:
-            before = _rows(Yp, t, valid, sy_l, Dv, BV).to(tl.float32)
+            before = _load_sum(Yp, YLp, t, valid, sy_l, Dv, BV, LO_IN)
             if NORMALIZE:
                 den_before = tl.load(DENp + t, mask=valid, other=0.0)
                 num += before * (den_before + eps)[:, None]
@@ -291,41 +320,43 @@ def _forward_walk(Q, K, V, G, PAD, Y, DEN, S0, Z0,
             else:
                 num += before
         if NORMALIZE:
-            _store_rows(Yp, num / (den + eps)[:, None], t, valid, sy_l, Dv, BV)
+            _store_sum(Yp, YLp, num / (den + eps)[:, None], t, valid, sy_l, Dv, BV, LO_OUT)
             tl.store(DENp + t, den, mask=valid)
         else:
-            _store_rows(Yp, num, t, valid, sy_l, Dv, BV)
+            _store_sum(Yp, YLp, num, t, valid, sy_l, Dv, BV, LO_OUT)
 
 
 @triton.jit
-def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, DQ, DK, DV, RCA, RCB, MOM,
-                   sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l,
+def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, DQ, DK, DV, DQL, DKL, DVL,
+                   RCA, RCB, MOM, sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sdy_b, sdy_h, sdy_l,
                    sdq_b, sdq_h, sdq_l, sdk_b, sdk_h, sdk_l, sdv_b, sdv_h, sdv_l,
                    sga_b, sga_h, sga_l, sgb_b, sgb_h, sgb_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
-                   STRICT: tl.constexpr, ALONG: tl.constexpr, AGAINST: tl.constexpr, GATE_A: tl.constexpr,
-                   GATE_B: tl.constexpr, HAS_PAD: tl.constexpr, S_IN: tl.constexpr, M_IN: tl.constexpr,
-                   G_IN: tl.constexpr, FIRST: tl.constexpr, NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr,
-                   DCUM_B: tl.constexpr, MOMENTS: tl.constexpr, P_SUMS: tl.constexpr,
-                   DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
-    """Gradients over one segment, of one of two parts (each a launch of its own, ``ALONG`` or ``AGAINST``):
-    the direction walked along (gates GA: its dq from the state S, and its in-chunk dq, dk, dv), or the one
-    walked against (gates GB read at the previous position: its dk, dv from the state G of earlier
-    queries; DQ is not touched). ``FIRST``: the first launch, else its results are added to what is in
-    DQ, DK, DV. RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
+                   STRICT: tl.constexpr, ALONG: tl.constexpr, GATE_A: tl.constexpr, GATE_B: tl.constexpr,
+                   HAS_PAD: tl.constexpr, S_IN: tl.constexpr, M_IN: tl.constexpr, G_IN: tl.constexpr,
+                   NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr, DCUM_B: tl.constexpr, MOMENTS: tl.constexpr,
+                   P_SUMS: tl.constexpr, FIRST: tl.constexpr, LO_IN: tl.constexpr, LO_OUT: tl.constexpr,
+                   DT: tl.constexpr, SDT: tl.constexpr, GDT: tl.constexpr, PREC: tl.constexpr):
+    """One direction's gradients over one segment, one of two parts, each a launch of its own. ``ALONG``:
+    the direction walked along (gates GA): dq, in the chunk and from the state S, and the gate sums;
+    otherwise the one walked against (gates GB, read at the previous position): dk and dv, in the chunk
+    (``STRICT``: without the diagonal) and from the state G of the queries of earlier chunks. ``FIRST``:
+    the first part of its kind, else what is in DQ (or DK, DV) is added to; those are float32 sums kept
+    as pairs with DQL (DKL, DVL) (``_store_sum``): read when ``LO_IN``, written when ``LO_OUT``. GDT: the
+    dtype of the products with do (float16's range is too small for do = dy / (d + eps) where d is small,
+    as in a padded row). RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
     per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first two is
     wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero)."""
     bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
     Vp = V + b * sv_b + h * sv_h
-    DQp = DQ + b * sdq_b + h * sdq_h
-    DKp = DK + b * sdk_b + h * sdk_h
-    DVp = DV + b * sdv_b + h * sdv_h
     idx = bh * tl.num_programs(1) + seg
-    S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
-    S1, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN)
-    Gs, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN)
+    if ALONG:
+        S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
+        S1, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN)
+    else:
+        Gs, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN)
     ii = tl.arange(0, C)[:, None]
     jj = tl.arange(0, C)[None, :]
     pos = tl.arange(0, C).to(tl.float32)
@@ -336,33 +367,23 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
         q = _rows(Qp, t, valid, sq_l, Dk, BK)
         k = _rows(Kp, t, keep, sk_l, Dk, BK)
         v = _rows(Vp, t, valid, sv_l, Dv, BV)
-        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
-                              sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
-        if FIRST:
-            dk = tl.zeros((C, BK), tl.float32)
-            dv = tl.zeros((C, BV), tl.float32)
-        else:
-            dk = _rows(DKp, t, valid, sdk_l, Dk, BK).to(tl.float32)
-            dv = _rows(DVp, t, valid, sdv_l, Dv, BV).to(tl.float32)
-        qf = q.to(tl.float32)
+        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv, eps,
+                              BV, C, NORMALIZE)
         if ALONG:
-            if FIRST:
-                dq = tl.zeros((C, BK), tl.float32)
-            else:
-                dq = _rows(DQp, t, valid, sdq_l, Dk, BK).to(tl.float32)
             g = _gates(GA + b * sga_b + h * sga_h, t, valid, sga_l, GATE_A, C)
             hi, lo, read, own, decay = _decays(g)
             W = _in_chunk_decay(hi, lo, C, STRICT, GATE_A)
             A = _mm(q, tl.trans(k), DT, PREC) * W
-            dA = _mm(do, tl.trans(v), DT, PREC) + dden[:, None]
-            dAW = dA * W
-            dq += _mm(dAW, k, DT, PREC)
-            dk += _mm(tl.trans(dAW), q, DT, PREC)
-            dv += _mm(tl.trans(A), do, DT, PREC)
+            dA = _mm(do, tl.trans(v), GDT, PREC) + dden[:, None]
             dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
-            dq += dq_in
-            _store_rows(DQp, dq, t, valid, sdq_l, Dk, BK)
+            dq = _mm(dA * W, k, GDT, PREC) + dq_in
+            if not FIRST:
+                dq += _load_sum(DQ + b * sdq_b + h * sdq_h, DQL + b * sdq_b + h * sdq_h, t, valid, sdq_l, Dk,
+                                BK, LO_IN)
+            _store_sum(DQ + b * sdq_b + h * sdq_h, DQL + b * sdq_b + h * sdq_h, dq, t, valid, sdq_l, Dk, BK,
+                       LO_OUT)
             if P_SUMS:
+                qf = q.to(tl.float32)
                 P = tl.where(ii > jj, A * dA, 0.0)  # the diagonal crosses no gate
                 gain = tl.sum(qf * dq_in, 1)  # P summed over the keys of earlier chunks
                 if DCUM_A:
@@ -377,33 +398,46 @@ def _backward_walk(Q, K, V, DY, Y, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ0, 
                 z1 = decay * (z1 + C * z) + tl.sum(kd, 0)
             S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
             z = decay * z + tl.sum(ks, 0)
-        if AGAINST:
+        else:
             tp, vp = _before(t, valid, L, REVERSE)
-            g2 = _gates(GB + b * sgb_b + h * sgb_h, tp, vp, sgb_l, GATE_B, C)
-            hi2, lo2, read2, own2, decay2 = _decays(g2)
-            dk_in = read2[:, None] * (_mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :])
-            dk += dk_in
-            dv += read2[:, None] * _mm(k, Gs, SDT, PREC)
+            g = _gates(GB + b * sgb_b + h * sgb_h, tp, vp, sgb_l, GATE_B, C)
+            hi, lo, read, own, decay = _decays(g)
+            # in the chunk, keys j (rows) read queries i <= j (columns) of this frame: the transpose of
+            # what the other walk's along part computes for dq
+            W = _in_chunk_decay(hi, lo, C, STRICT, GATE_B)
+            A = _mm(k, tl.trans(q), DT, PREC) * W
+            dA = _mm(v, tl.trans(do), GDT, PREC) + dden[None, :]
+            dk_in = read[:, None] * (_mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :])
             if DCUM_B:  # minus P summed over the queries of earlier chunks (zero at padded keys)
                 tl.store(RCB + bh * L + t, -tl.sum(k.to(tl.float32) * dk_in, 1), mask=valid)
-            qs = qf * own2[:, None]
-            Gs = decay2 * Gs + _mm(tl.trans(qs), do, DT, PREC)
-            gz = decay2 * gz + tl.sum(qs * dden[:, None], 0)
-        _store_rows(DKp, tl.where(keep[:, None], dk, 0.0), t, valid, sdk_l, Dk, BK)
-        _store_rows(DVp, dv, t, valid, sdv_l, Dv, BV)
+            dk = _mm(dA * W, q, GDT, PREC) + dk_in
+            dv = _mm(A, do, GDT, PREC) + read[:, None] * _mm(k, Gs, SDT, PREC)
+            if not FIRST:
+                dk += _load_sum(DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h, t, valid, sdk_l, Dk,
+                                BK, LO_IN)
+                dv += _load_sum(DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h, t, valid, sdv_l, Dv,
+                                BV, LO_IN)
+            _store_sum(DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h, tl.where(keep[:, None], dk, 0.0),
+                       t, valid, sdk_l, Dk, BK, LO_OUT)
+            _store_sum(DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h, dv, t, valid, sdv_l, Dv, BV,
+                       LO_OUT)
+            qs = q.to(tl.float32) * own[:, None]
+            Gs = decay * Gs + _mm(tl.trans(qs), do, GDT, PREC)
+            gz = decay * gz + tl.sum(qs * dden[:, None], 0)
     if MOMENTS:
         tl.store(MOM + idx, tl.sum(mom, 0))
 
 
 @triton.jit
-def _global_apply(Q, K, V, DY, Y, DEN, PAD, S0, Z0, G0, GZ0, DQ, DK, DV,
+def _global_apply(Q, K, V, DY, Y, YL, DEN, DDEN, PAD, S0, Z0, G0, GZ0, DQ, DK, DV,
                   sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l,
                   sdq_b, sdq_h, sdq_l, sdk_b, sdk_h, sdk_l, sdv_b, sdv_h, sdv_l, sp_b, sp_l, L, H, Dk, Dv, eps,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD: tl.constexpr,
-                  HAS_PAD: tl.constexpr, NORMALIZE: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
+                  HAS_PAD: tl.constexpr, NORMALIZE: tl.constexpr, LO_OUT: tl.constexpr, SDT: tl.constexpr,
+                  PREC: tl.constexpr):
     """Bidirectional attention without decay (LION-LIT): every query reads the one total state.
-    ``GRAD=False``: y = q S / (q . z + eps) (or q S); ``GRAD=True``: dq from (S, z), dk and dv from the
-    total (G, gz) of the queries' side. One program per chunk."""
+    ``GRAD=False``: y = q S / (q . z + eps) (or q S), with YL when ``LO_OUT``; ``GRAD=True``: dq from
+    (S, z), dk and dv from the total (G, gz) of the queries' side. One program per chunk."""
     bh, c, b, h = _program(H)
     p, valid, t = _positions(c, L, C, False)
     S, z = _load_state(S0, Z0, bh, BK, BV, True)
@@ -412,8 +446,8 @@ def _global_apply(Q, K, V, DY, Y, DEN, PAD, S0, Z0, G0, GZ0, DQ, DK, DV,
         keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
         k = _rows(K + b * sk_b + h * sk_h, t, keep, sk_l, Dk, BK)
         v = _rows(V + b * sv_b + h * sv_h, t, valid, sv_l, Dv, BV)
-        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, Y + b * sy_b + h * sy_h, DEN + bh * L, t, valid,
-                              sdy_l, sy_l, Dv, eps, BV, C, NORMALIZE)
+        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv, eps,
+                              BV, C, NORMALIZE)
         dq = _mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :]
         dk = tl.where(keep[:, None], _mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :], 0.0)
         dv = _mm(k, Gs, SDT, PREC)
@@ -424,12 +458,28 @@ def _global_apply(Q, K, V, DY, Y, DEN, PAD, S0, Z0, G0, GZ0, DQ, DK, DV,
         q = _rows(Q + b * sq_b + h * sq_h, t, valid, sq_l, Dk, BK)
         num = _mm(q, S, SDT, PREC)
         Yp = Y + b * sy_b + h * sy_h
+        YLp = YL + b * sy_b + h * sy_h
         if NORMALIZE:
             den = tl.sum(q.to(tl.float32) * z[None, :], 1)
-            _store_rows(Yp, num / (den + eps)[:, None], t, valid, sy_l, Dv, BV)
+            _store_sum(Yp, YLp, num / (den + eps)[:, None], t, valid, sy_l, Dv, BV, LO_OUT)
             tl.store(DEN + bh * L + t, den, mask=valid)
         else:
-            _store_rows(Yp, num, t, valid, sy_l, Dv, BV)
+            _store_sum(Yp, YLp, num, t, valid, sy_l, Dv, BV, LO_OUT)
+
+
+@triton.jit
+def _row_grads(DY, Y, YL, DEN, DDEN, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l, L, H, Dv, eps,
+               C: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
+    """The row sums' gradient ``dden = -(dy . y) / (d + eps)``, once per row before the backward's walks.
+    y is read as the forward left it, a pair when SPLIT: every ``dA_ij = do_i . (v_j - y_i)`` cancels
+    against y, and so do the gates' gradients, which y rounded to 16 bits would miss by a few percent.
+    One program per chunk."""
+    bh, c, b, h = _program(H)
+    p, valid, t = _positions(c, L, C, False)
+    dy = _rows(DY + b * sdy_b + h * sdy_h, t, valid, sdy_l, Dv, BV).to(tl.float32)
+    y = _load_sum(Y + b * sy_b + h * sy_h, YL + b * sy_b + h * sy_h, t, valid, sy_l, Dv, BV, SPLIT)
+    den = tl.load(DEN + bh * L + t, mask=valid, other=0.0)
+    tl.store(DDEN + bh * L + t, -tl.sum(dy * y, 1) / (den + eps), mask=valid)
 
 
 # ---------------------------------------------------------------------------------------------- launches
@@ -470,6 +520,9 @@ class _Config:
         self.DT = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else (
             tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
         self.SDT = tl.bfloat16 if self.DT == tl.bfloat16 else tl.float32  # float16 states would overflow
+        # and so would float16 products with do = dy / (d + eps), where a row sum d is small
+        self.GDT = tl.float32 if self.DT == tl.float16 else self.DT
+        self.SPLIT = q.dtype != torch.float32  # 16-bit sums that a later launch reads are kept as pairs
         tf32 = q.dtype != torch.float32 or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
         self.PREC = "tf32" if tf32 and not INTERPRETED else "ieee"
 
@@ -512,7 +565,7 @@ def _segment_states(cfg: _Config, reverse: bool, gates: Optional[Tensor], pad: O
                     v: Tensor, moments: bool = False, grad: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
                     normalize: bool = True, eps: float = 0.0, entering: bool = True) -> List[Tensor]:
     """States entering each segment of a walk (``entering``), or each segment's own sums, and their
-    normalisers: of the keys ``k, v`` with the direction's gates, or (``grad = (q, dy, y, den)``) of the
+    normalisers: of the keys ``k, v`` with the direction's gates, or (``grad = (q, dy, dden, den)``) of the
     queries' gradients with the gates of the previous position; plus the moments when asked."""
     BH, n, BK, BV = cfg.B * cfg.H, cfg.nseg, cfg.BK, cfg.BV
     dev = k.device
@@ -520,72 +573,87 @@ def _segment_states(cfg: _Config, reverse: bool, gates: Optional[Tensor], pad: O
     UZ = torch.empty(BH, n, BK, dtype=torch.float32, device=dev)
     U1, UZ1 = (torch.empty_like(U), torch.empty_like(UZ)) if moments else (U, UZ)
     logd = torch.empty(BH, n, dtype=torch.float32, device=dev)
-    x, yv, dy, y, den = (grad[0], v, grad[1], grad[2], grad[3]) if grad is not None else (k, v, v, v, U)
+    x, yv, dy, dden, den = (grad[0], v, grad[1], grad[2], grad[3]) if grad is not None else (k, v, v, U, U)
     _segment_sums[(BH, n)](
-        x, yv, dy, y, den, gates if gates is not None else U, pad if pad is not None else U,
-        U, UZ, U1, UZ1, logd, *_s3(x), *_s3(yv), *_s3(dy), *_s3(y), *_s3(gates), *_pad_strides(pad),
+        x, yv, dy, dden, den, gates if gates is not None else U, pad if pad is not None else U,
+        U, UZ, U1, UZ1, logd, *_s3(x), *_s3(yv), *_s3(dy), *_s3(gates), *_pad_strides(pad),
         cfg.L, cfg.H, cfg.Dk, cfg.Dv, cfg.Q, eps, REVERSE=reverse, GRAD=grad is not None,
         HAS_GATE=gates is not None, HAS_PAD=pad is not None, MOMENTS=moments, NORMALIZE=normalize,
-        DT=cfg.DT, **cfg.consts())
+        DT=cfg.GDT if grad is not None else cfg.DT, **cfg.consts())
     if not entering:
         return [U, UZ]
     return _entering(U, UZ, logd, cfg.Q * cfg.C, *((U1, UZ1) if moments else ()))
 
 
 def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor], b: Optional[Tensor],
-             pad: Optional[Tensor], causal: bool, normalize: bool, eps: float):
-    """Returns y ``(B, H, L, Dv)`` in v's dtype, the row sums ``(B*H, L)`` float32 (or None), and the
-    total state of a bidirectional call without gates (or None)."""
+             pad: Optional[Tensor], causal: bool, normalize: bool, eps: float, keep: bool):
+    """Returns y ``(B, H, L, Dv)`` in v's dtype; what y's rounding lost, in the same dtype, where the
+    backward reads y (``keep``) and y is 16-bit (else None); the row sums ``(B*H, L)`` float32 (or None);
+    and the total state of a bidirectional call without gates (or None)."""
     B, H, L = cfg.B, cfg.H, cfg.L
     y = torch.empty(B, H, L, cfg.Dv, dtype=v.dtype, device=v.device)
     den = torch.empty(B * H, L, dtype=torch.float32, device=v.device) if normalize else y
+    lit = not causal and f is None and b is None
+    walks = [] if lit else [(False, f)] if causal else [(True, b), (False, f)]
+    # the first of two walks leaves its part for the second to add to: a pair, like what the backward keeps
+    lo = torch.empty_like(y) if cfg.SPLIT and (keep or len(walks) == 2) else None
     common = (*_s3(q), *_s3(k), *_s3(v), *_s3(y))
-    if not causal and f is None and b is None:  # LION-LIT: one state for every query
+    if lit:  # LION-LIT: one state for every query
         S, z = (x.sum(1) for x in _segment_states(cfg, False, None, pad, k, v, entering=False))
         _global_apply[(B * H, triton.cdiv(L, cfg.C))](
-            q, k, v, v, y, den, pad if pad is not None else y, S, z, S, z, y, y, y,
+            q, k, v, v, y, lo if lo is not None else y, den, den, pad if pad is not None else y, S, z, S, z, y, y, y,
             *common, *_s3(y), *_s3(y), *_s3(y), *_s3(y), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
-            GRAD=False, HAS_PAD=pad is not None, NORMALIZE=normalize, SDT=cfg.SDT, **cfg.consts())
-        return y, (den if normalize else None), (S, z)
-    walks = [(False, f)] if causal else [(True, b), (False, f)]
+            GRAD=False, HAS_PAD=pad is not None, NORMALIZE=normalize, LO_OUT=lo is not None, SDT=cfg.SDT,
+            **cfg.consts())
+        return y, lo, (den if normalize else None), (S, z)
     for n, (reverse, g) in enumerate(walks):
         state = (_segment_states(cfg, reverse, g, pad, k, v) if cfg.nseg > 1 else [y, y])
         _forward_walk[(B * H, cfg.nseg)](
-            q, k, v, g if g is not None else y, pad if pad is not None else y, y, den, *state,
-            *common, *_s3(g), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
+            q, k, v, g if g is not None else y, pad if pad is not None else y, y, lo if lo is not None else y, den,
+            *state, *common, *_s3(g), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
             REVERSE=reverse, STRICT=reverse, HAS_GATE=g is not None, HAS_PAD=pad is not None,
-            HAS_STATE=cfg.nseg > 1, FIRST=n == 0, LAST=n == len(walks) - 1, NORMALIZE=normalize,
-            DT=cfg.DT, SDT=cfg.SDT, **cfg.consts())
-    return y, (den if normalize else None), None
+            HAS_STATE=cfg.nseg > 1, FIRST=n == 0, NORMALIZE=normalize, LO_IN=lo is not None and n > 0,
+            LO_OUT=lo is not None and (keep or n < len(walks) - 1), DT=cfg.DT, SDT=cfg.SDT, **cfg.consts())
+    return y, (lo if keep else None), (den if normalize else None), None
 
 
 def _per_head(g: Optional[Tensor]) -> bool:
     return g is not None and g.shape[-1] == 1
 
 
-def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool, normalize: bool, eps: float,
-              needs: Tuple[bool, ...]):
+def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal: bool, normalize: bool,
+              eps: float, needs: Tuple[bool, ...]):
     B, H, L = cfg.B, cfg.H, cfg.L
     BH = B * H
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    den = den if den is not None else dy
-    common = (*_s3(q), *_s3(k), *_s3(v), *_s3(dy), *_s3(y), *_s3(dq), *_s3(dk), *_s3(dv))
-    grad = (q, dy, y, den)
+    if normalize:
+        dden = torch.empty(BH, L, dtype=torch.float32, device=q.device)
+        _row_grads[(BH, triton.cdiv(L, cfg.C))](
+            dy, y, y_lo if y_lo is not None else y, den, dden, *_s3(dy), *_s3(y), L, H, cfg.Dv, eps, C=cfg.C,
+            BV=cfg.BV, SPLIT=y_lo is not None, num_warps=4)
+    else:
+        den = dden = dy  # not read
+    common = (*_s3(q), *_s3(k), *_s3(v), *_s3(dy))
+    grad = (q, dy, dden, den)
     if total is not None:  # LION-LIT, bidirectional: the queries' total state beside the keys'
         G, gz = (x.sum(1) for x in _segment_states(cfg, False, None, pad, k, v, grad=grad, normalize=normalize,
                                                    eps=eps, entering=False))
         _global_apply[(BH, triton.cdiv(L, cfg.C))](
-            q, k, v, dy, y, den, pad if pad is not None else dy, *total, G, gz, dq, dk, dv,
-            *common, *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
-            GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, SDT=cfg.SDT, **cfg.consts())
+            q, k, v, dy, y, y, den, dden, pad if pad is not None else dy, *total, G, gz, dq, dk, dv,
+            *common, *_s3(y), *_s3(dq), *_s3(dk), *_s3(dv), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
+            GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, LO_OUT=False, SDT=cfg.SDT, **cfg.consts())
         return dq, dk, dv, None, None
-    # walking right: the forward direction along (dq, in-chunk), the backward one against (its dk, dv);
-    # walking left: the other way round. A causal call has no backward direction (and b is None). Each
-    # part is a launch of its own: fused, their tiles overflow the registers (kernel_targets: up to 3.9 KB
-    # spilled per thread on sm_90 at D = 64), where each alone fits.
+    # Walking right, the forward direction is walked along (its part of dq, in the chunk and from the
+    # state) and the backward one against (its part of dk and dv); walking left, the other way round. A
+    # causal call has no backward direction (b is None): it walks right along and left against. Each part
+    # is a launch of its own: fused, their tiles overflow the registers (kernel_targets: up to 3.9 KB spilled
+    # per thread on sm_90 at D = 64), where each alone fits. So dq, dk and dv are each written by two
+    # launches, the first of which leaves a 16-bit pair (``_store_sum``): the two parts cancel (dq is
+    # orthogonal to q, for one), and rounding the first to 16 bits cost 3x in dq's accuracy.
+    lo = [torch.empty_like(x) if cfg.SPLIT and not causal else x for x in (dq, dk, dv)]
+    common += (*_s3(dq), *_s3(dk), *_s3(dv))
     walks = [(False, f, b), (True, b, f)]
     grads = {}
-    first = True
     for reverse, g_along, against in walks:
         which_along = 4 if reverse else 3  # index into needs of the along gate, and of the against gate
         which_against = 3 if reverse else 4
@@ -597,6 +665,7 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool,
         rca = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_a else dy
         rcb = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_b else dy
         mom = torch.empty(BH, cfg.nseg, dtype=torch.float32, device=q.device) if moments else dy
+        first, last = not reverse or causal, reverse or causal  # of the two launches that write a gradient
         for along in [True] * has_along + [False] * has_against:
             if cfg.nseg == 1:
                 states = [dy] * 6
@@ -607,16 +676,17 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, den, total, dy, causal: bool,
                 states = [dy] * 4 + _segment_states(cfg, reverse, against, pad, k, v, grad=grad,
                                                     normalize=normalize, eps=eps)
             _backward_walk[(BH, cfg.nseg)](
-                q, k, v, dy, y, den, g_along if g_along is not None else dy, against if against is not None else dy,
-                pad if pad is not None else dy, *states, dq, dk, dv, rca, rcb, mom,
+                q, k, v, dy, dden, den, g_along if g_along is not None else dy,
+                against if against is not None else dy, pad if pad is not None else dy, *states, dq, dk, dv, *lo,
+                rca, rcb, mom,
                 *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
-                REVERSE=reverse, STRICT=reverse, ALONG=along, AGAINST=not along, GATE_A=g_along is not None,
+                # the forward direction keeps the diagonal: walked along to the right, against to the left
+                REVERSE=reverse, STRICT=reverse == along, ALONG=along, GATE_A=g_along is not None,
                 GATE_B=against is not None, HAS_PAD=pad is not None, S_IN=cfg.nseg > 1 and along,
-                M_IN=cfg.nseg > 1 and along and moments, G_IN=cfg.nseg > 1 and not along, FIRST=first,
-                NORMALIZE=normalize, DCUM_A=along and dcum_a, DCUM_B=not along and dcum_b,
-                MOMENTS=along and moments, P_SUMS=along and (dcum_a or moments), DT=cfg.DT, SDT=cfg.SDT,
-                **cfg.consts())
-            first = False
+                M_IN=cfg.nseg > 1 and along and moments, G_IN=cfg.nseg > 1 and not along, NORMALIZE=normalize,
+                DCUM_A=along and dcum_a, DCUM_B=not along and dcum_b, MOMENTS=along and moments,
+                P_SUMS=along and (dcum_a or moments), FIRST=first, LO_IN=cfg.SPLIT and not first,
+                LO_OUT=cfg.SPLIT and not last, DT=cfg.DT, SDT=cfg.SDT, GDT=cfg.GDT, **cfg.consts())
         grads[reverse] = (rca if dcum_a else None, rcb if dcum_b else None, mom if moments else None)
     df = _gate_grad(f, needs[3], grads[False][2], grads[False][0], grads[True][1], cfg, reverse=False)
     db = _gate_grad(b, needs[4], grads[True][2], grads[True][0], grads[False][1], cfg, reverse=True)
@@ -649,8 +719,9 @@ class _LionKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, f, b, pad, causal, normalize, eps, chunk_size, segment_chunks):
         cfg = _Config(q, v, chunk_size, segment_chunks)
-        y, den, total = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps)
-        ctx.save_for_backward(q, k, v, f, b, pad, y, den, *(total or ()))
+        keep = normalize and any(ctx.needs_input_grad[:5])  # the backward reads y only when normalised
+        y, y_lo, den, total = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps, keep)
+        ctx.save_for_backward(q, k, v, f, b, pad, y, y_lo, den, *(total or ()))
         ctx.causal, ctx.normalize, ctx.eps = causal, normalize, eps
         ctx.chunk_size, ctx.segment_chunks = chunk_size, segment_chunks
         ctx.has_total = total is not None
@@ -658,11 +729,11 @@ class _LionKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, f, b, pad, y, den, *total = ctx.saved_tensors
+        q, k, v, f, b, pad, y, y_lo, den, *total = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         cfg = _Config(q, v, ctx.chunk_size, ctx.segment_chunks, backward=True)
-        dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, den, total if ctx.has_total else None,
+        dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
                                        dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad)
         return dq, dk, dv, df, db, None, None, None, None, None, None
 

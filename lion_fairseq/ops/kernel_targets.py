@@ -24,7 +24,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-LAUNCHED = ("_segment_sums", "_forward_walk", "_backward_walk", "_global_apply")
+LAUNCHED = ("_segment_sums", "_forward_walk", "_backward_walk", "_global_apply", "_row_grads")
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8"}
 # the calls of every code path: (label, gates f and b as "token"/"head"/None, causal, padded)
 CASES = [("lit", None, None, False, False), ("lit-causal", None, None, True, False),
@@ -111,7 +111,7 @@ def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = 
             y = kernel.kernel_attention(q, k, v, f, b, causal, True, pad, 1e-6, chunk_size=64, segment_chunks=2)
             y.backward(torch.ones_like(y))
         for launch in launches:
-            if tf32:
+            if tf32 and "PREC" in launch.constexprs:
                 launch.constexprs["PREC"] = "tf32"
             out.setdefault(launch.key(), launch)
     return list(out.values())
@@ -152,8 +152,8 @@ def describe(launch: Launch) -> str:
     """The launch's specialisation in a few words: its flags that are on, and the block sizes."""
     flags = [k for k, v in launch.constexprs.items() if v is True]
     dt = launch.constexprs.get("DT")
-    return (f"C={launch.constexprs['C']} BK={launch.constexprs['BK']} BV={launch.constexprs['BV']}"
-            f"{' DT=' + str(dt) if dt is not None else ''} warps={launch.num_warps} {' '.join(flags)}")
+    blocks = " ".join(f"{k}={launch.constexprs[k]}" for k in ("C", "BK", "BV") if k in launch.constexprs)
+    return f"{blocks}{' DT=' + str(dt) if dt is not None else ''} warps={launch.num_warps} {' '.join(flags)}"
 
 
 def table(archs: List[int], head_dims: List[int], dtypes: List[torch.dtype], cases: Optional[List[str]] = None,
