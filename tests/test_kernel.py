@@ -316,11 +316,12 @@ def test_compiled_kernel_matches_torch_chunk_form(dtype, tol, causal):
 
 def test_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never compiles: LION-S's forward and backward launches (per-token gates both ways,
-    key padding, several segments) compiled by Triton and ptxas for sm_90 (H100/H200), no GPU needed, so
-    a construct only the GPU compiler refuses fails here and not on a lent GPU."""
+    key padding, several segments), bf16 and float32 (three TF32 products each, as with TF32 off),
+    compiled by Triton and ptxas for sm_90 (H100/H200), no GPU needed, so a construct only the GPU compiler
+    refuses fails here and not on a lent GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "lion_fairseq.ops.kernel_targets", "--arch", "90", "--head-dims",
-                           "64", "--dtypes", "bfloat16", "--cases", "s"], capture_output=True, text=True,
+                           "64", "--dtypes", "bfloat16", "float32", "--cases", "s"], capture_output=True, text=True,
                           env=dict(env, TRITON_DEFAULT_FP_FUSION="1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the table's rows (target, dtype, D, kernel, specialisation, registers, ...), not the summary's

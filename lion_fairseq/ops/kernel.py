@@ -49,8 +49,8 @@ cancel to a few parts in 1e4 at L = 8192; it is computed directly instead, as ``
 row by row: inside a chunk from P, and from earlier chunks through a second state
 ``S' = sum_j (distance to the chunk's end) * decay * k_j v_j^T`` that the walk carries beside S.
 
-Products: float32 inputs multiply in float32 (TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows
-it); 16-bit inputs multiply in their dtype on tensor cores with float32 accumulation, except that float16
+Products: float32 inputs multiply in TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows it, else
+in three TF32 products each (``tf32x3``: about float32's accuracy, on tensor cores); 16-bit inputs multiply in their dtype on tensor cores with float32 accumulation, except that float16
 products that read a state (whose entries grow with L past float16's range) or take do (``dy/(d+eps)``,
 past float16's range where a row sum is below eps, as in a padded row) run in float32. Under Triton's
 CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products run in float32."""
@@ -524,7 +524,9 @@ class _Config:
         self.GDT = tl.float32 if self.DT == tl.float16 else self.DT
         self.SPLIT = q.dtype != torch.float32  # 16-bit sums that a later launch reads are kept as pairs
         tf32 = q.dtype != torch.float32 or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
-        self.PREC = "tf32" if tf32 and not INTERPRETED else "ieee"
+        # float32 without TF32: three TF32 tensor-core products each (about float32's accuracy); IEEE
+        # products are not tensor-core dots, and spilled 3.3-4.9 KB a thread on sm_90 (kernel_targets)
+        self.PREC = "ieee" if INTERPRETED else "tf32" if tf32 else "tf32x3"
 
     def consts(self) -> dict:
         return dict(C=self.C, BK=self.BK, BV=self.BV, PREC=self.PREC, num_warps=self.num_warps)

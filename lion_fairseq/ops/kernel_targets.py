@@ -90,7 +90,7 @@ def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = 
     """Every distinct launch of the forward and backward of each case in ``CASES`` (those labelled in
     ``cases``, default all) at head size ``head_dim`` (inputs in ``dtype``), with more than one segment so
     that the segment passes run too. ``tf32``: float32 products as on CUDA with
-    ``torch.backends.cuda.matmul.allow_tf32`` (on CPU tensors the kernel would take IEEE products)."""
+    ``torch.backends.cuda.matmul.allow_tf32`` (else three TF32 products each, as with TF32 off)."""
     from . import kernel
 
     B, H, L = 1, 2, 200
@@ -179,7 +179,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=None,
                         help="gate kinds to compile (default: all)")
     parser.add_argument("--tf32", action="store_true",
-                        help="float32 products in TF32, as with torch.backends.cuda.matmul.allow_tf32 (default: IEEE)")
+                        help="float32 products in TF32, as with torch.backends.cuda.matmul.allow_tf32 (default: 3xTF32, "
+                             "as with it off)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
