@@ -651,28 +651,35 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
     # is a launch of its own: fused, their tiles overflow the registers (kernel_targets: up to 3.9 KB spilled
     # per thread on sm_90 at D = 64), where each alone fits. So dq, dk and dv are each written by two
     # launches, the first of which leaves a 16-bit pair (``_store_sum``): the two parts cancel (dq is
-    # orthogonal to q, for one), and rounding the first to 16 bits cost 3x in dq's accuracy.
-    lo = [torch.empty_like(x) if cfg.SPLIT and not causal else x for x in (dq, dk, dv)]
-    common += (*_s3(dq), *_s3(dk), *_s3(dv))
-    walks = [(False, f, b), (True, b, f)]
-    grads = {}
-    for reverse, g_along, against in walks:
-        which_along = 4 if reverse else 3  # index into needs of the along gate, and of the against gate
-        which_against = 3 if reverse else 4
+    # orthogonal to q, for one), and rounding the first to 16 bits cost 3x in dq's accuracy. dq's two
+    # launches run first, so that its pair's second half is gone before dk's and dv's are made.
+    walks = {False: (f, b), True: (b, f)}  # reverse -> (the gates walked along, those walked against)
+    sums = {}
+    for reverse, (g_along, against) in walks.items():
+        which_along, which_against = (4, 3) if reverse else (3, 4)  # the indices of their gates in needs
         has_along = not (reverse and causal)
         moments = has_along and _per_head(g_along) and needs[which_along]
         dcum_a = has_along and g_along is not None and not _per_head(g_along) and needs[which_along]
         dcum_b = against is not None and not _per_head(against) and needs[which_against]
-        has_against = reverse or not causal
-        rca = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_a else dy
-        rcb = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_b else dy
-        mom = torch.empty(BH, cfg.nseg, dtype=torch.float32, device=q.device) if moments else dy
-        first, last = not reverse or causal, reverse or causal  # of the two launches that write a gradient
-        for along in [True] * has_along + [False] * has_against:
+        rca = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_a else None
+        rcb = torch.empty(BH, L, dtype=torch.float32, device=q.device) if dcum_b else None
+        mom = torch.empty(BH, cfg.nseg, dtype=torch.float32, device=q.device) if moments else None
+        sums[reverse] = (rca, rcb, mom)
+    common += (*_s3(dq), *_s3(dk), *_s3(dv))
+    pairs = cfg.SPLIT and not causal
+    for along in (True, False):
+        lo = ([torch.empty_like(dq) if pairs else dq, dk, dv] if along else
+              [dq] + [torch.empty_like(x) if pairs else x for x in (dk, dv)])
+        for reverse in (False, True):
+            if causal and reverse == along:
+                continue
+            g_along, against = walks[reverse]
+            rca, rcb, mom = sums[reverse]
+            first, last = not reverse or causal, reverse or causal  # of the two launches that write a gradient
             if cfg.nseg == 1:
                 states = [dy] * 6
             elif along:
-                states = _segment_states(cfg, reverse, g_along, pad, k, v, moments=moments)
+                states = _segment_states(cfg, reverse, g_along, pad, k, v, moments=mom is not None)
                 states += [dy] * (6 - len(states))
             else:
                 states = [dy] * 4 + _segment_states(cfg, reverse, against, pad, k, v, grad=grad,
@@ -680,18 +687,18 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
             _backward_walk[(BH, cfg.nseg)](
                 q, k, v, dy, dden, den, g_along if g_along is not None else dy,
                 against if against is not None else dy, pad if pad is not None else dy, *states, dq, dk, dv, *lo,
-                rca, rcb, mom,
+                *(x if x is not None else dy for x in (rca, rcb, mom)),
                 *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
                 # the forward direction keeps the diagonal: walked along to the right, against to the left
                 REVERSE=reverse, STRICT=reverse == along, ALONG=along, GATE_A=g_along is not None,
                 GATE_B=against is not None, HAS_PAD=pad is not None, S_IN=cfg.nseg > 1 and along,
-                M_IN=cfg.nseg > 1 and along and moments, G_IN=cfg.nseg > 1 and not along, NORMALIZE=normalize,
-                DCUM_A=along and dcum_a, DCUM_B=not along and dcum_b, MOMENTS=along and moments,
-                P_SUMS=along and (dcum_a or moments), FIRST=first, LO_IN=cfg.SPLIT and not first,
-                LO_OUT=cfg.SPLIT and not last, DT=cfg.DT, SDT=cfg.SDT, GDT=cfg.GDT, **cfg.consts())
-        grads[reverse] = (rca if dcum_a else None, rcb if dcum_b else None, mom if moments else None)
-    df = _gate_grad(f, needs[3], grads[False][2], grads[False][0], grads[True][1], cfg, reverse=False)
-    db = _gate_grad(b, needs[4], grads[True][2], grads[True][0], grads[False][1], cfg, reverse=True)
+                M_IN=cfg.nseg > 1 and along and mom is not None, G_IN=cfg.nseg > 1 and not along,
+                NORMALIZE=normalize, DCUM_A=along and rca is not None, DCUM_B=not along and rcb is not None,
+                MOMENTS=along and mom is not None, P_SUMS=along and (rca is not None or mom is not None),
+                FIRST=first, LO_IN=cfg.SPLIT and not first, LO_OUT=cfg.SPLIT and not last, DT=cfg.DT,
+                SDT=cfg.SDT, GDT=cfg.GDT, **cfg.consts())
+    df = _gate_grad(f, needs[3], sums[False][2], sums[False][0], sums[True][1], cfg, reverse=False)
+    db = _gate_grad(b, needs[4], sums[True][2], sums[True][0], sums[False][1], cfg, reverse=True)
     return dq, dk, dv, df, db
 
 
