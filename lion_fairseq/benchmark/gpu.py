@@ -287,7 +287,9 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, 
         except torch.cuda.OutOfMemoryError:
             result[f"{mode}_ms"] = result[f"{mode}_mib"] = "OOM"
         if impl.endswith("triton") and isinstance(result[f"{mode}_ms"], float):
-            cost = kernel_cost(B, H, L, D, gates_of(impl), mode)
+            from lion_fairseq.ops.kernel import cuts_into_segments
+
+            cost = kernel_cost(B, H, L, D, gates_of(impl), mode, segments=cuts_into_segments(inputs[0], inputs[2]))
             result[f"{mode}_tflops"] = cost["flops"] / result[f"{mode}_ms"] / 1e9
             result[f"{mode}_gbps"] = cost["bytes"] / result[f"{mode}_ms"] / 1e6
         if device == "cuda":

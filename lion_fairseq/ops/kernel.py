@@ -759,6 +759,13 @@ def kernel_unavailable(x: Tensor, head_dims: Tuple[int, int]) -> Optional[str]:
     return None
 
 
+def cuts_into_segments(q: Tensor, v: Tensor, chunk_size: int = 64) -> bool:
+    """Whether a call on q ``(B, H, L, Dk)`` and v cuts its walks into segments, whose sums are passes
+    of their own: on a GPU, where B*H is at most about twice its streaming multiprocessors, and L more than
+    one chunk."""
+    return _Config(q, v, chunk_size, None).nseg > 1
+
+
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
                      causal: bool, normalize: bool, key_padding_mask: Optional[Tensor], eps: float,
                      chunk_size: int = 64, segment_chunks: Optional[int] = None) -> Tensor:
