@@ -186,6 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
         return 2
     rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases, args.tf32)
+    import triton
+
+    print(f"Triton {triton.__version__}\n")
     print("| target | dtype | D | kernel | specialisation | registers | stack bytes | shared bytes | compile s |")
     print("|---|---|---:|---|---|---:|---:|---:|---:|")
     for r in rows:
