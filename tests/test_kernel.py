@@ -156,6 +156,19 @@ def test_kernel_16bit_inputs(dtype, gates):
                             tol_gate=tol_gate)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal,normalize", [(True, True), (False, False)])
+def test_kernel_16bit_causal_and_unnormalised(dtype, causal, normalize):
+    """The other ways a 16-bit sum passes between launches: a causal call (one walk, each gradient
+    written once, y kept as a pair for the backward) and an unnormalised one (y's pair only between the
+    walks, none kept)."""
+    q, k, v, f, b = make_inputs(90, "token", D=32, seed=7, dtype=torch.float64)
+    inputs = [x.to(dtype) for x in (q, k, v)] + [f.float(), b.float()]
+    kw = dict(key_padding_mask=padding(90), causal=causal, normalize=normalize)
+    check_against_reference(lambda *x: kernel(*x, segment_chunks=1, **kw), inputs, kw, 5e-3, 5e-3, rms=True,
+                            tol_gate=1e-3)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's conversion")
 def test_interpreter_rounds_bfloat16_as_a_gpu_does():
     """float32 stored to bfloat16 rounds to nearest (even), as on a GPU, under the patched interpreter
