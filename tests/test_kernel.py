@@ -169,6 +169,31 @@ def test_kernel_16bit_causal_and_unnormalised(dtype, causal, normalize):
                             tol_gate=1e-3)
 
 
+def test_y_kept_as_a_pair_only_for_a_backward(monkeypatch):
+    """The second half of y's pair is written at the end of the forward only where a backward will read
+    it: not under torch.no_grad (inference, fairseq's validation), where autograd still reports inputs that
+    require grad."""
+    from lion_fairseq.ops import kernel as kernel_mod
+
+    walks = []
+
+    class Recorded:  # stands in for the forward walk's launches
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: walks.append(constexprs)
+
+    monkeypatch.setattr(kernel_mod, "_forward_walk", Recorded())
+    q, k, v = (torch.rand(1, 2, 40, 16, dtype=torch.bfloat16, requires_grad=True).to(DEVICE) for _ in range(3))
+    gate = -torch.rand(1, 2, 40).to(DEVICE)
+
+    def last_walk_keeps() -> bool:
+        kernel_mod.kernel_attention(q, k, v, gate, gate, False, True, None, 1e-6, segment_chunks=1000)
+        return walks[-1]["LO_OUT"]
+
+    assert last_walk_keeps()
+    with torch.no_grad():
+        assert not last_walk_keeps()
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's conversion")
 def test_interpreter_rounds_bfloat16_as_a_gpu_does():
     """float32 stored to bfloat16 rounds to nearest (even), as on a GPU, under the patched interpreter

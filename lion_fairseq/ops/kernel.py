@@ -726,9 +726,8 @@ def _gate_grad(g: Optional[Tensor], needed: bool, mom: Optional[Tensor], rows: O
 
 class _LionKernel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, f, b, pad, causal, normalize, eps, chunk_size, segment_chunks):
+    def forward(ctx, q, k, v, f, b, pad, causal, normalize, eps, chunk_size, segment_chunks, keep):
         cfg = _Config(q, v, chunk_size, segment_chunks)
-        keep = normalize and any(ctx.needs_input_grad[:5])  # the backward reads y only when normalised
         y, y_lo, den, total = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps, keep)
         ctx.save_for_backward(q, k, v, f, b, pad, y, y_lo, den, *(total or ()))
         ctx.causal, ctx.normalize, ctx.eps = causal, normalize, eps
@@ -744,7 +743,7 @@ class _LionKernel(torch.autograd.Function):
         cfg = _Config(q, v, ctx.chunk_size, ctx.segment_chunks, backward=True)
         dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
                                        dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad)
-        return dq, dk, dv, df, db, None, None, None, None, None, None
+        return dq, dk, dv, df, db, None, None, None, None, None, None, None
 
 
 def kernel_unavailable(x: Tensor, head_dims: Tuple[int, int]) -> Optional[str]:
@@ -779,5 +778,9 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor
     pad = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
     if causal:
         log_a_bwd = None
+    # whether a backward will read y (only when normalised); inside forward, ctx.needs_input_grad says yes
+    # under torch.no_grad too
+    keep = normalize and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
     return _LionKernel.apply(q, k, v, log_a_fwd, log_a_bwd, pad, causal, normalize, eps, chunk_size,
-                             segment_chunks)
+                             segment_chunks, keep)
