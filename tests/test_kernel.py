@@ -4,7 +4,8 @@ conftest.py; tests/triton_interpreter.py), and against the PyTorch chunk form on
 
 The interpreter multiplies float16 correctly and bfloat16 on its raw bits: float16 runs the kernel's own
 16-bit products, bfloat16 runs with its loads converted to float32 inside the kernel (what the kernel does
-there), and the rest runs in float32. Chunks of 16 tokens and segments of two chunks make short sequences
+there; its stores round to nearest as a GPU's do, tests/triton_interpreter.py), and the rest runs in
+float32. Chunks of 16 tokens and segments of two chunks make short sequences
 cross chunk and segment borders."""
 import itertools
 import os
