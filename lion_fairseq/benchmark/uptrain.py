@@ -118,15 +118,22 @@ def masked_lm_criterion(checkpoint: Path) -> Path:
     return out
 
 
+def result_row(name: str, seed: int, checkpoint: Path, updates: int, loss: float,
+               run_: Optional[Dict] = None) -> Dict:
+    """One model's row, as ``table`` and ``plot`` read it (here and in ``benchmark.uptrain_lm``); ``run_``:
+    what ``train`` returned, for its learning curve and command."""
+    return {"model": name, "seed": seed, "updates": updates, "checkpoint": str(checkpoint), "loss": loss,
+            "curve": run_["curve"] if run_ else [], "command": run_["command"] if run_ else None}
+
+
 def one_seed(root: Path, data: Path, seed: int, N: int) -> List[Dict]:
     U = max(2, N // 10)
     every = max(1, U // 5)
     rows: List[Dict] = []
 
     def row(name: str, checkpoint: Path, updates: int, run_: Optional[Dict] = None) -> None:
-        rows.append({"model": name, "seed": seed, "updates": updates, "checkpoint": str(checkpoint),
-                     "loss": validate(root, data, checkpoint, f"{slug(name)}_{seed}", seed),
-                     "curve": run_["curve"] if run_ else [], "command": run_["command"] if run_ else None})
+        loss = validate(root, data, checkpoint, f"{slug(name)}_{seed}", seed)
+        rows.append(result_row(name, seed, checkpoint, updates, loss, run_))
 
     teacher = train(root, data, f"teacher_{seed}", ROBERTA, N, seed, max(1, N // 10))
     row("teacher", teacher["checkpoint"], N, teacher)

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 from ..demo.commands import python_module, run
 from .quality import TINY_LM, TOKENS, eval_lm_command, eval_loss, prepare_text
-from .uptrain import arguments, plot, slug, table, train
+from .uptrain import arguments, plot, result_row, slug, table, train
 
 TEACHER = ["--arch", "transformer_lm", *TINY_LM]
 # what the teacher's weights cannot show, for the LION LMs that start from it (python -m lion_fairseq.convert
@@ -46,9 +46,8 @@ def one_seed(root: Path, data: Path, seed: int, N: int) -> List[Dict]:
     rows: List[Dict] = []
 
     def row(name: str, checkpoint: Path, updates: int, run_: Optional[Dict] = None) -> None:
-        rows.append({"model": name, "seed": seed, "updates": updates, "checkpoint": str(checkpoint),
-                     "loss": valid_loss(root, data, checkpoint, f"{slug(name)}_{seed}"),
-                     "curve": run_["curve"] if run_ else [], "command": run_["command"] if run_ else None})
+        loss = valid_loss(root, data, checkpoint, f"{slug(name)}_{seed}")
+        rows.append(result_row(name, seed, checkpoint, updates, loss, run_))
 
     teacher = train(root, data, f"teacher_{seed}", TEACHER, N, seed, max(1, N // 10), what="lm")
     row("teacher", teacher["checkpoint"], N, teacher)
