@@ -231,6 +231,20 @@ def test_kernel_reads_strided_inputs(layout):
     assert max_err(y, ref, ref.abs().max()) < 1e-5
 
 
+def test_rows_beyond_32_bit_offsets_are_copied():
+    """The kernel adds row offsets in 32 bits: a view of fairseq's layout whose rows reach 2^31 elements
+    (64 x 12 heads x 64 at L = 65536) is read from a contiguous copy, one within reach in place."""
+    from lion_fairseq.ops import kernel
+
+    def fairseq_view(B, L):
+        return torch.empty_strided((B, 12, L, 64), (768, 64, B * 768, 1), device="meta")
+
+    near = fairseq_view(2, 4096)
+    assert kernel._addressable(near) is near
+    far = kernel._addressable(fairseq_view(64, 65536))
+    assert far.stride() == (12 * 65536 * 64, 65536 * 64, 64, 1)
+
+
 def test_per_head_gate_gradient_at_long_length():
     """LION-D's gate, one per head and the same tensor for both directions, gets its gradient as
     ``sum_{i>j} (i - j) P_ij`` row by row, not as a sum over L of per-position sums that nearly cancel

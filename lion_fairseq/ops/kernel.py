@@ -532,6 +532,14 @@ class _Config:
         return dict(C=self.C, BK=self.BK, BV=self.BV, PREC=self.PREC, num_warps=self.num_warps)
 
 
+def _addressable(x: Tensor) -> Tensor:
+    """x ``(B, H, L, D)``, or a contiguous copy where its last dim is strided or its rows reach 2^31
+    elements past their (batch, head) start: the kernel adds row offsets in 32 bits (the batch and head
+    offsets in 64), and a view of fairseq's ``T x B x C`` layout puts B*C elements between rows."""
+    far = (x.shape[2] - 1) * x.stride(2) + x.shape[3] >= 2 ** 31
+    return x.contiguous() if far or x.stride(-1) != 1 else x
+
+
 def _s3(x: Optional[Tensor]) -> Tuple[int, int, int]:
     """(b, h, l) strides of a ``(B, H, L, ...)`` tensor, 0 along any broadcast (size-1) dim."""
     if x is None:
@@ -738,8 +746,7 @@ class _LionKernel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         q, k, v, f, b, pad, y, y_lo, den, *total = ctx.saved_tensors
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
+        dy = _addressable(dy)
         cfg = _Config(q, v, ctx.chunk_size, ctx.segment_chunks, backward=True)
         dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
                                        dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad)
@@ -774,7 +781,7 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor
     ``(B, H, L, Dv)`` in v's dtype; differentiable in q, k, v and the gates. ``chunk_size`` is rounded to a
     power of two of at least 16 and capped by ``BLOCKS``; ``segment_chunks``: chunks per segment (default: enough segments to fill
     the GPU)."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = (_addressable(x) for x in (q, k, v))
     pad = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
     if causal:
         log_a_bwd = None
