@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/lion-site
-python -m pip install -q --no-deps --target "$SITE" .whl/*.whl
+# a second call on the same (still warm) machine, such as `--tune`, finds them installed
+[ -f "$SITE/.installed" ] || { python -m pip install -q --no-deps --target "$SITE" .whl/*.whl && touch "$SITE/.installed"; }
 export PYTHONPATH="$SITE:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -1,6 +1,7 @@
 """``python -m lion_fairseq.benchmark.gpu`` on CPU, so that a lent GPU's minutes go to the GPU: each of its
 parts run here at tiny size (the kernel under Triton's interpreter, fairseq in float32 with ``cpu: true``),
 and its report written from a made-up result with every kind of cell."""
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lion_fairseq.benchmark import gpu, gpu_training
+from lion_fairseq.benchmark import gpu, gpu_training, gpu_tune
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -60,6 +61,39 @@ def test_check_cases_cover_every_gate_kind_in_bf16():
 def test_measure_times_the_kernel_with_its_estimated_rates():
     r = gpu.measure("lion-d-triton", 1, 2, 40, 16, warmup=0, iters=1, device="cpu")
     assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwd_tflops"] > 0 and r["fwdbwd_gbps"] > 0
+
+
+@needs_kernel
+def test_tune_checks_and_times_each_candidate_then_restores_the_kernel():
+    """``--tune``'s sweep at tiny size: every candidate checked against the PyTorch form and timed, the
+    kernel's blocks as they ship timed beside them, and the kernel's configuration unchanged afterwards."""
+    from lion_fairseq.ops import kernel
+
+    before = (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM)
+    rows = []
+    gpu_tune.sweep(40, 1, 2, 16, 0, 1, lambda: False, rows.append, device="cpu", forward=((16, 4), (32, 8)),
+                   backward=((16, 8),), programs=(2,))
+    assert [r["pass"] for r in rows] == ["forward", "forward", "shipped", "backward"]
+    assert all(r["ok"] and r["ms"] > 0 and r["segments"] == 1 for r in rows), rows
+    assert rows[-1]["forward"] == min(rows[:2], key=lambda r: r["ms"])["forward"]
+    assert (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM) == before
+    report = {"environment": {"gpu": "none"}, "args": vars(gpu.parse_args(["--out", "x"])),
+              "shipped": gpu_tune.shipped(16), "rows": rows + [{k: rows[0][k] for k in ("L", "B", "pass", "forward", "backward", "programs")}]}
+    report["rows"][-1]["skipped"] = "budget"
+    md = gpu_tune.markdown(report)
+    assert md.count("| 40 | 1 |") == 5 and "skipped (budget)" in md and "L = 40, backward:" in md
+
+
+def test_tune_configuration_is_restored_after_an_error():
+    from lion_fairseq.ops import kernel
+
+    before = (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM)
+    with pytest.raises(RuntimeError):
+        with gpu_tune.configured(64, (64, 4), (32, 4), 8):
+            assert kernel.BLOCKS[False][64] == (64, 4) and kernel.BLOCKS[True][64] == (32, 4)
+            assert kernel.PROGRAMS_PER_SM == 8
+            raise RuntimeError("a candidate that fails")
+    assert (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM) == before
 
 
 def test_kernel_cost_counts_both_walks():
@@ -128,7 +162,8 @@ def test_report_has_every_table(tmp_path):
                         {"task": "mlm", "arch": "lion_s", "backend": "triton", "L": 8192, "error": "skipped (budget)"}],
               "eval_lm": {"checkpoint": "lion_s_lm, L = 512", "forms": {"parallel": {"loss": 7.5, "ppl": 181.0},
                                                                        "chunk-fla": {"error": "exit 1: x"}}},
-              "decoding": {"prompt_tokens": 64, "new_tokens": 64, "ms_per_token": 3.5, "agree": 64}}
+              "decoding": {"prompt_tokens": 64, "new_tokens": 64, "ms_per_token": 3.5, "agree": 64},
+              "cuda_lost": "after lion-s-triton at L = 4096: AcceleratorError('illegal memory access')"}
     gpu.save(tmp_path, report)
     md = (tmp_path / "gpu.md").read_text()
     assert "| 1000 | bfloat16 | False | head | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
@@ -139,6 +174,7 @@ def test_report_has_every_table(tmp_path):
     assert "| mlm | lion_s | triton | 8192 | | error: 'skipped (budget)' | | |" in md
     assert "| parallel | 7.5 | 181 |" in md and "| chunk-fla | error: 'exit 1: x' | |" in md
     assert "64 greedy tokens after a 64-token prompt, 3.5 ms per token" in md and "agrees at 64 of 64" in md
+    assert "became unusable in the benchmark's process** (after lion-s-triton at L = 4096: AcceleratorError" in md
     assert gpu.json.loads((tmp_path / "gpu.json").read_text())["timing"][0]["B"] == 32
 
 
@@ -150,3 +186,67 @@ def test_mixed_precision_training_part_trains_and_compares_the_forms(tmp_path, o
     assert row["ok"], row
     assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]
     assert set(row["forms"]) == set(gpu_training.FORMS) and row["forms_agree"]
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """``gpu.main`` on CPU with every part that needs a GPU replaced by a stand-in that records its call."""
+    calls = []
+    monkeypatch.setattr(gpu, "refuse_reason", lambda: None)
+    monkeypatch.setattr(gpu, "environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(gpu, "fla_missing", lambda: None)
+
+    def train_speed(root, task, arch, L, backend, **kw):
+        calls.append(("train", arch, backend, L))
+        row = {"task": task, "arch": arch, "backend": backend, "L": L, "B": 1, "wps": 1.0, "seconds": 1.0}
+        return dict(row, checkpoint=str(root / "ckpt.pt")) if kw.get("keep_checkpoint") else row
+
+    monkeypatch.setattr(gpu, "train_speed", train_speed)
+    monkeypatch.setattr(gpu, "eval_lm_forms", lambda ckpt, L, forms: calls.append(("eval_lm", L)) or
+                        {f: {"loss": 1.0, "ppl": 2.0} for f in forms})
+    monkeypatch.setattr(gpu, "recurrent_decoding", lambda ckpt: calls.append(("decoding",)) or
+                        {"prompt_tokens": 4, "new_tokens": 4, "ms_per_token": 1.0, "agree": 4})
+    return calls
+
+
+def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stubbed, monkeypatch):
+    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates: {"L": L, "dtype": dt, "causal": causal,
+                                                                     "gates": gates, "ok": True, "finite": True,
+                                                                     "errors": {"values": 0.0, "dv": 0.0}})
+    monkeypatch.setattr(gpu, "measure", lambda impl, *a: stubbed.append(("measure", impl)) or {"fwd_ms": 1.0})
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024", "--check-lengths", "1"]) == 0
+    trains = [i for i, c in enumerate(stubbed) if c[0] == "train"]
+    assert stubbed.index(("eval_lm", 512)) == trains[1] + 1 and stubbed[trains[1]][1:] == ("lion_s_lm", "triton", 512)
+    assert stubbed.index(("decoding",)) < trains[2] and len(trains) == 13
+    assert len([c for c in stubbed if c[0] == "measure"]) == len(gpu.IMPLS)
+
+
+def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stubbed, monkeypatch):
+    """A kernel fault (an illegal address, say) leaves the process's CUDA context unusable: the checks and
+    timings after it are not run, the fairseq runs (processes of their own) go on, and the run fails."""
+    def check(L, dtype, causal, gates):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu, "check", check)
+    monkeypatch.setattr(gpu, "cuda_lost", lambda: "AcceleratorError('illegal memory access')")
+    monkeypatch.setattr(gpu, "measure", lambda *a: pytest.fail("timed on a lost GPU"))
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024", "--check-lengths", "1"]) == 1
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert "illegal memory access" in report["check"][0]["error"]
+    assert all(c["error"] == "not run: CUDA context lost" for c in report["check"][1:])
+    assert report["timing"][0]["results"]["sdpa"]["fwd_ms"] == "not run: CUDA context lost"
+    assert len([c for c in stubbed if c[0] == "train"]) == 13 and ("eval_lm", 512) in stubbed
+    assert ("decoding",) not in stubbed and report["decoding"]["error"].startswith("not run")
+    assert "became unusable in the benchmark's process** (after the check at L = 1" in (tmp_path / "gpu.md").read_text()
+
+
+def test_tune_run_writes_its_table_at_each_length(tmp_path, stubbed, monkeypatch):
+    def sweep(L, B, H, D, warmup, iters, over, record):
+        record({"L": L, "B": B, "pass": "shipped", "forward": [32, 8], "backward": [16, 8], "programs": 4,
+                "chunk": 32, "segments": 1, "ok": True, "errors": {"values": 0.0, "dq": 0.0}, "ms": 1.0})
+
+    monkeypatch.setattr(gpu_tune, "sweep", sweep)
+    assert gpu.main(["--out", str(tmp_path), "--tune", "--tune-lengths", "1024,4096"]) == 0
+    md = (tmp_path / "tune.md").read_text()
+    assert "| 1024 | 32 | shipped | (32, 8) | (16, 8) | 4 | 1 | 1.000 |" in md and "| 4096 | 8 | shipped |" in md
+    assert not (tmp_path / "gpu.md").exists() and not [c for c in stubbed if c[0] == "train"]

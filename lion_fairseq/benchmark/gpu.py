@@ -15,9 +15,10 @@
 3. End to end: ``fairseq-train`` tokens per second (fairseq's ``wps``) in bf16 of ``lion_s_lm`` against
    ``transformer_lm`` and of ``lion_s`` against ``roberta_base`` (same width and depth) at each
    ``--train-lengths`` (``gpu_training.train_speed``), LION on the kernel; LION-S LM on fla too at one L.
-4. Forms: one trained ``lion_s_lm`` checkpoint through ``fairseq-eval-lm`` in every form and backend, and
-   recurrent decoding through the hub's generator on CUDA, checked token by token against the parallel
-   form (``gpu_training.eval_lm_forms``, ``gpu_training.recurrent_decoding``).
+4. Forms, as soon as the first ``lion_s_lm`` run of part 3 has saved its checkpoint (so that the budget
+   never skips them): that checkpoint through ``fairseq-eval-lm`` in every form and backend, and recurrent
+   decoding through the hub's generator on CUDA, checked token by token against the parallel form
+   (``gpu_training.eval_lm_forms``, ``gpu_training.recurrent_decoding``).
 
 ``--precision-table`` and ``--mixed-precision-runs`` add the first GPU run's error-under-autocast table and
 its fp16/amp/bf16 training of every variant. Writes ``gpu.md`` (tables) and ``gpu.json`` into ``--out``
@@ -35,6 +36,7 @@ from .gpu_training import FORMS, PRECISIONS, eval_lm_forms, recurrent_decoding, 
 
 IMPLS = ("lion-s-triton", "lion-d-triton", "lion-lit-triton", "lion-s-fla", "lion-lit-fla", "sdpa")
 GATES = ("none", "head", "token")
+INPUT_NAMES = ("q", "k", "v", "log_a_fwd", "log_a_bwd")
 # relative RMS error allowed against the PyTorch chunk form (float32: products in float32 on both sides)
 TOLERANCE = {"float32": {"values": 1e-4, "grads": 1e-4}, "bfloat16": {"values": 1e-2, "grads": 3e-2}}
 # H200 (SXM): HBM3e bandwidth and dense bf16 tensor-core rate, from NVIDIA's data sheet
@@ -58,6 +60,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new timing, training or evaluation after this many seconds (the check always "
                         "runs)")
+    p.add_argument("--tune", action="store_true",
+                   help="instead of the parts above: LION-S timed at each candidate chunk, warps and programs per "
+                        "SM of the kernel, each checked first (benchmark/gpu_tune.py); writes tune.md and tune.json")
+    p.add_argument("--tune-lengths", default="1024,4096,32768", help="sequence lengths of --tune")
     p.add_argument("--precision-table", action="store_true", help="also the error under CUDA autocast")
     p.add_argument("--mixed-precision-runs", action="store_true",
                    help="also fairseq-train of lion_{lit,d,s}_lm with --fp16, --amp and bf16, each checkpoint in "
@@ -113,39 +119,49 @@ def rel_rms(x, ref) -> float:
     return ((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def check(L: int, dtype_name: str, causal: bool, gates: str, device: str = "cuda", B: int = 2, H: int = 4,
-          D: int = 64) -> Dict:
-    """The kernel against the PyTorch chunk form: relative RMS errors of the normalised values and of the
-    gradients of every input (a gradient's error relative to the larger of its own size and a hundredth
-    of the largest gradient's). At L = 1 the normalised output does not depend on q and k: their true
-    gradients are eps-sized differences of terms near 1, rounding noise on both sides, and are left out."""
+def outputs(inputs: list, weight, backend: str, causal: bool) -> tuple:
+    """``(y, grads)`` of one chunk-form call on ``backend`` on fresh copies of ``inputs`` (q, k, v, log_a_fwd,
+    log_a_bwd; None where absent), the loss ``sum(y * weight)``: y detached, the gradients as a dict by name."""
+    from lion_fairseq.ops import lion_attention
+
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in inputs]
+    y = lion_attention(*leaves, form="chunk", causal=causal, backend=backend)
+    (y.float() * weight).sum().backward()
+    return y.detach(), {n: x.grad for n, x in zip(INPUT_NAMES, leaves) if x is not None}
+
+
+def compare(got: tuple, ref: tuple, names: List[str], dtype_name: str) -> Dict:
+    """``{"finite", "ok", "errors"}`` of ``outputs`` ``got`` against ``ref``: relative RMS errors of the values
+    and of the gradients named (a gradient's error relative to the larger of its own size and a hundredth of
+    the largest gradient's), within ``TOLERANCE``."""
     import torch
 
-    from lion_fairseq.ops import lion_attention
+    size = lambda x: x.double().pow(2).mean().sqrt().item()  # noqa: E731
+    floor = 1e-2 * max((size(ref[1][n]) for n in names), default=0.0)
+    errors = {"values": rel_rms(got[0], ref[0])}
+    for n in names:
+        errors[f"d{n}"] = (got[1][n].double() - ref[1][n].double()).pow(2).mean().sqrt().item() / max(
+            size(ref[1][n]), floor)
+    finite = bool(torch.isfinite(got[0]).all()) and all(bool(torch.isfinite(got[1][n]).all()) for n in names)
+    tol = TOLERANCE[dtype_name]
+    ok = finite and errors["values"] < tol["values"] and all(errors[f"d{n}"] < tol["grads"] for n in names)
+    return {"finite": finite, "ok": ok, "errors": errors}
+
+
+def check(L: int, dtype_name: str, causal: bool, gates: str, device: str = "cuda", B: int = 2, H: int = 4,
+          D: int = 64) -> Dict:
+    """The kernel against the PyTorch chunk form (``compare``). At L = 1 the normalised output does not
+    depend on q and k: their true gradients are eps-sized differences of terms near 1, rounding noise on
+    both sides, and are left out."""
+    import torch
 
     dtype = getattr(torch, dtype_name)
     inputs = make_inputs(B, H, L, D, dtype, gates, seed=L, device=device)
     weight = torch.randn(B, H, L, D, device=device, generator=torch.Generator(device=device).manual_seed(1))
-    outs = {}
-    for backend in ("triton", "torch"):
-        leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in inputs]
-        y = lion_attention(*leaves, form="chunk", causal=causal, backend=backend)
-        (y.float() * weight).sum().backward()
-        outs[backend] = (y.detach(), [x.grad if x is not None else None for x in leaves])
-    names = [n for n, x in zip(("q", "k", "v", "log_a_fwd", "log_a_bwd"), inputs)
+    got, ref = (outputs(inputs, weight, backend, causal) for backend in ("triton", "torch"))
+    names = [n for n, x in zip(INPUT_NAMES, inputs)
              if x is not None and not (causal and n == "log_a_bwd") and not (L == 1 and n in ("q", "k"))]
-    got = dict(zip(("q", "k", "v", "log_a_fwd", "log_a_bwd"), outs["triton"][1]))
-    ref = dict(zip(("q", "k", "v", "log_a_fwd", "log_a_bwd"), outs["torch"][1]))
-    size = lambda x: x.double().pow(2).mean().sqrt().item()  # noqa: E731
-    floor = 1e-2 * max(size(ref[n]) for n in names)
-    errors = {"values": rel_rms(outs["triton"][0], outs["torch"][0])}
-    for n in names:
-        errors[f"d{n}"] = (got[n].double() - ref[n].double()).pow(2).mean().sqrt().item() / max(size(ref[n]), floor)
-    finite = bool(torch.isfinite(outs["triton"][0]).all()) and all(bool(torch.isfinite(got[n]).all()) for n in names)
-    tol = TOLERANCE[dtype_name]
-    ok = finite and errors["values"] < tol["values"] and all(errors[f"d{n}"] < tol["grads"] for n in names)
-    return {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "finite": finite, "ok": ok,
-            "errors": errors}
+    return {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, **compare(got, ref, names, dtype_name)}
 
 
 def check_cases(lengths: List[int]) -> List[tuple]:
@@ -306,6 +322,9 @@ def markdown(report: Dict) -> str:
     lines = ["# LION's Triton kernel, fla and softmax attention (SDPA) on a GPU", "",
              ", ".join(f"{k} {v}" for k, v in env.items()), "",
              "`python -m lion_fairseq.benchmark.gpu`", "",
+             *([f"**The GPU became unusable in the benchmark's process** ({report['cuda_lost']}). The parts run "
+                "in that process stopped there; fairseq-train and fairseq-eval-lm run in processes of their own "
+                "and went on.", ""] if report.get("cuda_lost") else []),
              "## The kernel against the PyTorch chunk form (relative RMS)", "",
              "| L | dtype | causal | gates | values | worst gradient | ok |", "|---|---|---|---|---|---|---|"]
     for c in report["check"]:
@@ -399,6 +418,33 @@ def speed_runs(args: argparse.Namespace, fla: bool = True) -> List[tuple]:
     return runs
 
 
+def cuda_lost() -> Optional[str]:
+    """Why this process can no longer use the GPU, or None: a kernel's fault (an illegal address, say)
+    leaves the CUDA context unusable for the rest of the process, while new processes start afresh."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return None
+    except Exception as e:
+        return repr(e)[:300]
+
+
+def evaluate_forms(report: Dict, checkpoint: Path, L: int, fla: bool, lost: Optional[str]) -> None:
+    """Into ``report``: ``fairseq-eval-lm`` of the LION LM checkpoint in every form and backend ("eval_lm";
+    the chunk form on fla where ``fla``), and greedy recurrent decoding through the hub's generator
+    ("decoding"), which runs in this process: not where its CUDA context is ``lost``."""
+    forms = tuple(f for f in FORMS if fla or f != "chunk-fla")
+    report["eval_lm"] = {"checkpoint": f"lion_s_lm, L = {L}", "forms": eval_lm_forms(checkpoint, L, forms=forms)}
+    print(f"eval-lm: {report['eval_lm']}", flush=True)
+    try:
+        report["decoding"] = recurrent_decoding(checkpoint) if not lost else {"error": "not run: " + lost}
+    except Exception as e:
+        report["decoding"] = {"error": repr(e)[:300]}
+    print(f"decoding: {report['decoding']}", flush=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     reason = refuse_reason()
@@ -409,15 +455,29 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        from . import gpu_tune
+
+        return gpu_tune.run(args, out, environment())
     report = {"environment": environment(), "args": vars(args), "check": [], "timing": [], "speed": []}
     print(report["environment"], flush=True)
     started = time.time()
     over = lambda: time.time() - started > args.budget_s  # noqa: E731
+    fla = not fla_missing()
+    # where a fault has made this process's GPU unusable, its own parts stop; those in subprocesses go on
+    lost: Optional[str] = None
     for L, dtype_name, causal, gates in check_cases([int(x) for x in args.check_lengths.split(",")]):
-        try:
-            c = check(L, dtype_name, causal, gates)
-        except Exception as e:
-            c = {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "ok": False, "error": repr(e)[:300]}
+        c = {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "ok": False}
+        if lost:
+            c["error"] = "not run: CUDA context lost"
+        else:
+            try:
+                c = check(L, dtype_name, causal, gates)
+            except Exception as e:
+                c["error"] = repr(e)[:300]
+                lost = cuda_lost()
+        if lost and "cuda_lost" not in report:
+            report["cuda_lost"] = f"after the check at L = {L}, {dtype_name}, causal={causal}, {gates}: {lost}"
         report["check"].append(c)
         print(f"check L={L} {dtype_name} causal={causal} {gates}: {c.get('errors', c.get('error'))}", flush=True)
         save(out, report)
@@ -426,19 +486,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = {"L": L, "B": B, "results": {}}
         report["timing"].append(row)
         for impl in IMPLS:
-            if over():
-                row["results"][impl] = {"fwd_ms": "skipped (budget)"}
+            if over() or lost:
+                row["results"][impl] = {"fwd_ms": "skipped (budget)" if not lost else "not run: CUDA context lost"}
                 continue
             try:
                 row["results"][impl] = measure(impl, B, args.heads, L, args.dim, args.warmup, args.iters)
             except Exception as e:  # fla missing or refusing: recorded, the rest goes on
                 row["results"][impl] = {"fwd_ms": f"error: {e!r}"[:200]}
+                lost = cuda_lost()
+                if lost:
+                    report["cuda_lost"] = f"after {impl} at L = {L}: {lost}"
+                    continue
             torch.cuda.empty_cache()
             print(f"L={L} B={B} {impl}: {row['results'][impl]}", flush=True)
             save(out, report)
     root = out / "train"
     softmax_wps = {}
-    for task, arch, backend, L in speed_runs(args, fla=not fla_missing()):
+    for task, arch, backend, L in speed_runs(args, fla=fla):
         if over():
             report["speed"].append({"task": task, "arch": arch, "backend": backend, "L": L, "error": "skipped (budget)"})
             continue
@@ -455,18 +519,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["speed"].append(r)
         print(f"train {task} {arch} {backend} L={L}: {r}", flush=True)
         save(out, report)
-    kept = [r for r in report["speed"] if r.get("checkpoint")]
-    if kept and not over():
-        checkpoint, L = Path(kept[0]["checkpoint"]), kept[0]["L"]
-        forms = tuple(f for f in FORMS if not (f == "chunk-fla" and fla_missing()))
-        report["eval_lm"] = {"checkpoint": f"lion_s_lm, L = {L}", "forms": eval_lm_forms(checkpoint, L, forms=forms)}
-        save(out, report)
-        try:
-            report["decoding"] = recurrent_decoding(checkpoint)
-        except Exception as e:
-            report["decoding"] = {"error": repr(e)[:300]}
-        save(out, report)
-    if args.precision_table and not over():
+        if r.get("checkpoint"):  # at once, not after the other runs: the budget must not skip what never ran on a GPU
+            evaluate_forms(report, Path(r["checkpoint"]), L, fla, lost)
+            save(out, report)
+    if args.precision_table and not over() and not lost:
         from . import precision
 
         try:

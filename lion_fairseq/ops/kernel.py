@@ -493,6 +493,9 @@ def _processors(device: torch.device) -> int:
 # compile for sm_90 with no registers spilled (python -m lion_fairseq.ops.kernel_targets, docs/gpu.md): with
 # chunks of 64 and 4 warps the walks spilled up to 0.5 KB per thread forward and 3.9 KB backward at D = 64
 BLOCKS = {False: {64: (32, 8), 128: (16, 8)}, True: {64: (16, 8), 128: (16, 8)}}
+# a walk is cut into segments until there are about this many programs per streaming multiprocessor (see
+# ``benchmark.gpu_tune`` for how this and ``BLOCKS`` are tuned on a GPU)
+PROGRAMS_PER_SM = 4
 
 
 class _Config:
@@ -511,9 +514,9 @@ class _Config:
         # states live in registers. The result does not depend on C.
         self.C = min(largest, max(16, triton.next_power_of_2(chunk_size)))
         N = triton.cdiv(L, self.C)
-        if segment_chunks is None:  # about four programs per streaming multiprocessor, whatever L is
-            segment_chunks = (triton.cdiv(N, max(1, min(N, 4 * _processors(q.device) // (B * H))))
-                              if q.is_cuda else N)
+        if segment_chunks is None:  # the same programs per streaming multiprocessor, whatever L is
+            programs = PROGRAMS_PER_SM * _processors(q.device) // (B * H) if q.is_cuda else 1
+            segment_chunks = triton.cdiv(N, max(1, min(N, programs)))
         self.Q = max(1, segment_chunks)
         self.nseg = triton.cdiv(N, self.Q)
         interpreted_bf16 = INTERPRETED and q.dtype == torch.bfloat16

@@ -1,0 +1,202 @@
+"""Tuning LION's Triton kernel on a GPU: ``python -m lion_fairseq.benchmark.gpu --out DIR --tune``.
+
+The kernel takes its chunk size and warps from ``kernel.BLOCKS`` (by head size, forward and backward), and
+cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM`` programs per streaming
+multiprocessor. Both were chosen without a GPU (the largest chunk that spills no registers on sm_90). This
+times LION-S (per-token gates; bf16, the benchmark's heads, head size and tokens per batch) at each
+``--tune-lengths`` L over the candidates:
+
+1. the forward's (chunk, warps) in ``FORWARD`` times ``PROGRAMS``, timed forward only (inference);
+2. with the fastest forward's, the backward's (chunk, warps) in ``BACKWARD`` times ``PROGRAMS``, timed
+   forward+backward; the kernel as it ships is timed first, for the comparison.
+
+Every candidate first computes values and gradients once, compared with the PyTorch chunk form on the same
+inputs (``gpu.compare``, bf16 tolerances): a fast configuration that is wrong is reported as such, not
+chosen. Writes ``tune.md`` and ``tune.json`` into ``--out`` after every candidate. It changes nothing in the
+kernel: what to ship is for whoever reads the table to put into ``BLOCKS`` and ``PROGRAMS_PER_SM``."""
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+FORWARD = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8))
+BACKWARD = ((16, 4), (16, 8), (32, 4), (32, 8))
+PROGRAMS = (2, 4, 8)
+
+
+def head_class(D: int) -> int:
+    """The key of ``kernel.BLOCKS`` that head size D falls under."""
+    return 64 if D <= 64 else 128
+
+
+@contextmanager
+def configured(D: int, forward: Optional[Tuple[int, int]] = None, backward: Optional[Tuple[int, int]] = None,
+               programs: Optional[int] = None) -> Iterator[None]:
+    """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D and
+    ``programs`` per streaming multiprocessor (None: as it ships); afterwards, what it took before."""
+    from lion_fairseq.ops import kernel
+
+    saved = ({pas: dict(by_head) for pas, by_head in kernel.BLOCKS.items()}, kernel.PROGRAMS_PER_SM)
+    try:
+        for pas, blocks in ((False, forward), (True, backward)):
+            if blocks is not None:
+                kernel.BLOCKS[pas][head_class(D)] = tuple(blocks)
+        if programs is not None:
+            kernel.PROGRAMS_PER_SM = programs
+        yield
+    finally:
+        for pas, by_head in saved[0].items():
+            kernel.BLOCKS[pas].clear()
+            kernel.BLOCKS[pas].update(by_head)
+        kernel.PROGRAMS_PER_SM = saved[1]
+
+
+def shipped(D: int) -> Dict:
+    """The forward's and backward's (chunk, warps) and the programs per SM that the kernel ships with."""
+    from lion_fairseq.ops import kernel
+
+    return {"forward": kernel.BLOCKS[False][head_class(D)], "backward": kernel.BLOCKS[True][head_class(D)],
+            "programs": kernel.PROGRAMS_PER_SM}
+
+
+def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: int, device: str) -> Dict:
+    """Under the configuration in force: the chunk and segments the kernel takes, its values and gradients
+    against ``ref`` (``gpu.compare``), and the median ms of ``mode`` ("fwd" or "fwdbwd") where they agree."""
+    import torch
+
+    from lion_fairseq.ops import kernel
+
+    from .gpu import compare, outputs, runner, time_ms
+
+    q, v = inputs[0], inputs[2]
+    cfg = kernel._Config(q, v, 64, None, backward=mode == "fwdbwd")
+    row = {"chunk": cfg.C, "segments": cfg.nseg}
+    row.update(compare(outputs(inputs, weight, "triton", False), ref, ["q", "k", "v", "log_a_fwd", "log_a_bwd"],
+                       "bfloat16"))
+    if not row["ok"]:
+        return row
+    run = runner("lion-s-triton")
+    grad_out = torch.randn_like(v)
+
+    def fwd():
+        with torch.no_grad():
+            run(*inputs)
+
+    def fwdbwd():
+        for x in inputs:
+            x.grad = None
+        run(*inputs).backward(grad_out)
+
+    row["ms"] = time_ms(fwd if mode == "fwd" else fwdbwd, warmup, iters, device)
+    return row
+
+
+def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callable[[], bool],
+          record: Callable[[Dict], None], device: str = "cuda", forward: Tuple = FORWARD,
+          backward: Tuple = BACKWARD, programs: Tuple = PROGRAMS) -> None:
+    """Both passes of the tuning at one L (see the module's docstring); each row goes to ``record`` as it
+    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "chunk", "segments", "ok", "errors",
+    "ms"}``, or ``"skipped"`` once ``over()``."""
+    import torch
+
+    from .gpu import cuda_lost, make_inputs, outputs
+
+    inputs = make_inputs(B, H, L, D, torch.bfloat16, "token", grad=True, device=device)
+    weight = torch.randn(B, H, L, D, device=device, generator=torch.Generator(device=device).manual_seed(1))
+    ref = outputs(inputs, weight, "torch", False)
+    ships = shipped(D)
+    lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
+
+    def one(pas: str, fwd, bwd, progs: int) -> Optional[Dict]:
+        row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs}
+        if over() or lost:
+            row["skipped"] = "budget" if not lost else "CUDA context lost"
+        else:
+            try:
+                with configured(D, fwd, bwd, progs):
+                    row.update(candidate(inputs, weight, ref, "fwd" if pas == "forward" else "fwdbwd", warmup,
+                                         iters, device))
+            except Exception as e:  # one candidate that does not compile or run: recorded, the rest goes on
+                row["error"] = repr(e)[:300]
+                reason = cuda_lost() if device == "cuda" else None
+                if reason:
+                    lost.append(reason)
+            if device == "cuda" and not lost:
+                torch.cuda.empty_cache()
+        record(row)
+        return row if "ms" in row else None
+
+    timed = [one("forward", f, ships["backward"], p) for p in programs for f in forward]
+    timed = [r for r in timed if r]
+    best = min(timed, key=lambda r: r["ms"])["forward"] if timed else ships["forward"]
+    one("shipped", ships["forward"], ships["backward"], ships["programs"])
+    for p in programs:
+        for b in backward:
+            one("backward", best, b, p)
+
+
+def best_rows(rows: List[Dict]) -> List[Dict]:
+    """Per L and pass, the fastest row that agreed with the PyTorch form."""
+    best: Dict[tuple, Dict] = {}
+    for r in rows:
+        key = (r["L"], r["pass"])
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    return list(best.values())
+
+
+def markdown(report: Dict) -> str:
+    env, a = report["environment"], report["args"]
+    lines = ["# Tuning LION's Triton kernel: LION-S, bf16", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
+             f"`python -m lion_fairseq.benchmark.gpu --tune`: H = {a['heads']}, D = {a['dim']}, {a['tokens']} tokens "
+             f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. Forward rows time the forward "
+             "alone; shipped and backward rows time forward+backward. The kernel ships with forward "
+             f"{tuple(report['shipped']['forward'])}, backward {tuple(report['shipped']['backward'])} (chunk, "
+             f"warps) and {report['shipped']['programs']} programs per SM.", "",
+             "| L | B | pass | forward (chunk, warps) | backward (chunk, warps) | programs per SM | segments | ms | "
+             "values error | worst gradient error | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        head = (f"| {r['L']} | {r['B']} | {r['pass']} | {tuple(r['forward'])} | {tuple(r['backward'])} | "
+                f"{r['programs']} |")
+        if "skipped" in r or "error" in r:
+            lines.append(f"{head} | {r.get('error') or 'skipped (' + r['skipped'] + ')'} | | | |")
+            continue
+        grads = {k: v for k, v in r["errors"].items() if k != "values"}
+        worst = max(grads, key=grads.get)
+        ms = f"{r['ms']:.3f}" if "ms" in r else "-"
+        lines.append(f"{head} {r['segments']} | {ms} | {r['errors']['values']:.1e} | {worst} {grads[worst]:.1e} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
+    if "error" in report:
+        lines += ["", f"Stopped {report['error']}"]
+    lines += ["", "Fastest that agree, by L and pass:", ""]
+    for r in best_rows(report["rows"]):
+        lines.append(f"- L = {r['L']}, {r['pass']}: forward {tuple(r['forward'])}, backward {tuple(r['backward'])}, "
+                     f"{r['programs']} programs per SM: {r['ms']:.3f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def run(args, out: Path, environment: Dict) -> int:
+    """The ``--tune`` run: every ``--tune-lengths`` L in turn, within ``--budget-s``; 1 if a candidate
+    disagreed with the PyTorch form or failed."""
+    report = {"environment": environment, "args": vars(args), "shipped": shipped(args.dim), "rows": []}
+    started = time.time()
+
+    def record(row: Dict) -> None:
+        report["rows"].append(row)
+        print(f"tune {row}", flush=True)
+        (out / "tune.json").write_text(json.dumps(report, indent=1))
+        (out / "tune.md").write_text(markdown(report))
+
+    for L in (int(x) for x in args.tune_lengths.split(",")):
+        try:
+            sweep(L, max(1, args.tokens // L), args.heads, args.dim, args.warmup, args.iters,
+                  lambda: time.time() - started > args.budget_s, record)
+        except Exception as e:  # the inputs or the PyTorch form's reference failed (a lost GPU, say): stop
+            report["error"] = f"at L = {L}: {e!r}"[:300]
+            break
+    (out / "tune.json").write_text(json.dumps(report, indent=1))
+    (out / "tune.md").write_text(markdown(report))
+    print(markdown(report))
+    bad = [r for r in report["rows"] if "error" in r or ("ok" in r and not r["ok"])]
+    return 1 if bad or "error" in report else 0
