@@ -51,6 +51,14 @@ def test_check_compares_the_kernel_with_the_pytorch_form(L, dtype, causal, gates
     assert set(c["errors"]) == {"values"} | named
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_check_compares_the_feature_map_kernel_with_float64(dtype):
+    c = gpu.check_feature_map(40, dtype, device="cpu", B=2, H=3, D=32)
+    assert c["ok"] and c["finite"] and set(c["errors"]) == {"values", "dx"}, c
+    assert c["errors"]["values"] < (1e-6 if dtype == "float32" else 3e-3)
+
+
 def test_check_cases_cover_every_gate_kind_in_bf16():
     cases = gpu.check_cases([1, 1000])
     assert {(c[2], c[3]) for c in cases if c[1] == "bfloat16"} == {(ca, g) for ca in (False, True) for g in gpu.GATES}
@@ -94,6 +102,13 @@ def test_tune_configuration_is_restored_after_an_error():
             assert kernel.PROGRAMS_PER_SM == 8
             raise RuntimeError("a candidate that fails")
     assert (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM) == before
+
+
+@needs_kernel
+def test_feature_map_timing_restores_the_backend(monkeypatch):
+    monkeypatch.setenv("LION_BACKEND", "fla")
+    r = gpu.measure_feature_map(40, 2, 16, 0, 1, device="cpu")
+    assert r["torch_ms"] > 0 and r["triton_ms"] > 0 and os.environ["LION_BACKEND"] == "fla"
 
 
 def test_kernel_cost_counts_both_walks():
@@ -163,7 +178,8 @@ def test_report_has_every_table(tmp_path):
               "eval_lm": {"checkpoint": "lion_s_lm, L = 512", "forms": {"parallel": {"loss": 7.5, "ppl": 181.0},
                                                                        "chunk-fla": {"error": "exit 1: x"}}},
               "decoding": {"prompt_tokens": 64, "new_tokens": 64, "ms_per_token": 3.5, "agree": 64},
-              "cuda_lost": "after lion-s-triton at L = 4096: AcceleratorError('illegal memory access')"}
+              "cuda_lost": "after lion-s-triton at L = 4096: AcceleratorError('illegal memory access')",
+              "feature_map": {"torch_ms": 0.5, "triton_ms": 0.1}}
     gpu.save(tmp_path, report)
     md = (tmp_path / "gpu.md").read_text()
     assert "| 1000 | bfloat16 | False | head | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
@@ -172,6 +188,7 @@ def test_report_has_every_table(tmp_path):
     assert "| 1024 | lion-s-triton | 60 | 1.2e+03 | 50 | 900 |" in md
     assert "| lm | lion_s_lm | triton | 512 | 32 | 1.5e+05 | 1.5 | 21.0 |" in md
     assert "| mlm | lion_s | triton | 8192 | | error: 'skipped (budget)' | | |" in md
+    assert "PyTorch: 0.5 ms; its Triton kernel: 0.1 ms." in md
     assert "| parallel | 7.5 | 181 |" in md and "| chunk-fla | error: 'exit 1: x' | |" in md
     assert "64 greedy tokens after a 64-token prompt, 3.5 ms per token" in md and "agrees at 64 of 64" in md
     assert "became unusable in the benchmark's process** (after lion-s-triton at L = 4096: AcceleratorError" in md
@@ -195,6 +212,10 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(gpu, "refuse_reason", lambda: None)
     monkeypatch.setattr(gpu, "environment", lambda: {"gpu": "stand-in"})
     monkeypatch.setattr(gpu, "fla_missing", lambda: None)
+    monkeypatch.setattr(gpu, "measure_feature_map", lambda *a: {"torch_ms": 2.0, "triton_ms": 1.0})
+    monkeypatch.setattr(gpu, "check_feature_map", lambda L, dt: calls.append(("feature map", dt)) or {
+        "L": L, "dtype": dt, "causal": False, "gates": gpu.FEATURE_MAP, "ok": True, "finite": True,
+        "errors": {"values": 0.0, "dx": 0.0}})
 
     def train_speed(root, task, arch, L, backend, **kw):
         calls.append(("train", arch, backend, L))
@@ -218,6 +239,7 @@ def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stu
     trains = [i for i, c in enumerate(stubbed) if c[0] == "train"]
     assert stubbed.index(("eval_lm", 512)) == trains[1] + 1 and stubbed[trains[1]][1:] == ("lion_s_lm", "triton", 512)
     assert stubbed.index(("decoding",)) < trains[2] and len(trains) == 13
+    assert stubbed[:2] == [("feature map", "float32"), ("feature map", "bfloat16")]
     assert len([c for c in stubbed if c[0] == "measure"]) == len(gpu.IMPLS)
 
 
@@ -234,6 +256,8 @@ def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stub
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert "illegal memory access" in report["check"][0]["error"]
     assert all(c["error"] == "not run: CUDA context lost" for c in report["check"][1:])
+    assert [c["gates"] for c in report["check"][-2:]] == [gpu.FEATURE_MAP] * 2 and not [
+        c for c in stubbed if c[0] == "feature map"]
     assert report["timing"][0]["results"]["sdpa"]["fwd_ms"] == "not run: CUDA context lost"
     assert len([c for c in stubbed if c[0] == "train"]) == 13 and ("eval_lm", 512) in stubbed
     assert ("decoding",) not in stubbed and report["decoding"]["error"].startswith("not run")

@@ -369,7 +369,7 @@ def test_compiled_kernel_matches_torch_chunk_form(dtype, tol, causal):
 
 def test_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never compiles: LION-S's forward and backward launches (per-token gates both ways,
-    key padding, several segments), bf16 and float32 (three TF32 products each, as with TF32 off),
+    key padding, several segments) and its feature map's, bf16 and float32 (three TF32 products each, as with TF32 off),
     compiled by Triton and ptxas for sm_90 (H100/H200), no GPU needed, so a construct only the GPU compiler
     refuses fails here and not on a lent GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -381,5 +381,6 @@ def test_kernel_compiles_for_hopper(tmp_path):
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| sm_90 |")]
     launches = [row for row in rows if len(row) == 11]
     assert {row[4].strip() for row in launches} == {"_segment_sums", "_forward_walk", "_row_grads",
-                                                   "_backward_walk"}, proc.stdout
+                                                   "_backward_walk", "_silu_norm_forward",
+                                                   "_silu_norm_backward"}, proc.stdout
     assert all(int(row[6]) > 0 for row in launches)  # registers read from each binary

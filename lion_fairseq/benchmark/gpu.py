@@ -5,13 +5,15 @@
 1. Check: LION's Triton kernel (``backend="triton"``) against the PyTorch chunk form (``backend="torch"``)
    on the GPU, float32 and bf16, bidirectional and causal, no, per-head and per-token gates: the
    normalised values and the gradients of q, k, v and both gates, as relative RMS errors (Triton has
-   miscompiled kernels of this kind before: fla #640, so a new kernel is not taken on trust).
+   miscompiled kernels of this kind before: fla #640, so a new kernel is not taken on trust); and LION-D/S's
+   feature map on its kernel against PyTorch's in float64, values and gradient.
 2. Operator: forward (inference, no autograd) and forward+backward, bf16, H = 12, D = 64, the same tokens
    per batch at every L (``--tokens``), of LION-S (per-token gates), LION-D (per-head) and LION-LIT (none)
    on the kernel, LION-S and LION-LIT on fla, and ``scaled_dot_product_attention`` (FlashAttention);
    CUDA events after warm-up (which includes Triton's compiling), the median of ``--iters``; peak memory
    above the inputs; beside the kernel's times, its FLOPs and bytes per call as counted by ``kernel_cost``
-   (an estimate) and the rates they imply.
+   (an estimate) and the rates they imply; and LION-D/S's feature map, forward+backward, in PyTorch and on
+   its kernel.
 3. End to end: ``fairseq-train`` tokens per second (fairseq's ``wps``) in bf16 of ``lion_s_lm`` against
    ``transformer_lm`` and of ``lion_s`` against ``roberta_base`` (same width and depth) at each
    ``--train-lengths`` (``gpu_training.train_speed``), LION on the kernel; LION-S LM on fla too at one L.
@@ -37,6 +39,7 @@ from .gpu_training import FORMS, PRECISIONS, eval_lm_forms, recurrent_decoding, 
 IMPLS = ("lion-s-triton", "lion-d-triton", "lion-lit-triton", "lion-s-fla", "lion-lit-fla", "sdpa")
 GATES = ("none", "head", "token")
 INPUT_NAMES = ("q", "k", "v", "log_a_fwd", "log_a_bwd")
+FEATURE_MAP = "feature map"  # the check's rows of LION-D/S's feature map kernel, in its "gates" column
 # relative RMS error allowed against the PyTorch chunk form (float32: products in float32 on both sides)
 TOLERANCE = {"float32": {"values": 1e-4, "grads": 1e-4}, "bfloat16": {"values": 1e-2, "grads": 3e-2}}
 # H200 (SXM): HBM3e bandwidth and dense bf16 tensor-core rate, from NVIDIA's data sheet
@@ -162,6 +165,31 @@ def check(L: int, dtype_name: str, causal: bool, gates: str, device: str = "cuda
     names = [n for n, x in zip(INPUT_NAMES, inputs)
              if x is not None and not (causal and n == "log_a_bwd") and not (L == 1 and n in ("q", "k"))]
     return {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, **compare(got, ref, names, dtype_name)}
+
+
+def check_feature_map(L: int, dtype_name: str, device: str = "cuda", B: int = 2, H: int = 12, D: int = 64) -> Dict:
+    """LION-D/S's feature map on its Triton kernel (``ops/feature_kernel.py``) against the PyTorch form in
+    float64, on a ``(B, H, L, D)`` view of fairseq's ``(L, B, H*D)`` layout: relative RMS of the values and
+    of x's gradient, within ``TOLERANCE``."""
+    import torch
+
+    from lion_fairseq.ops.feature_kernel import silu_norm_kernel
+
+    g = torch.Generator(device=device).manual_seed(L)
+    x = (3 * torch.randn(L, B, H * D, device=device, generator=g)).to(getattr(torch, dtype_name))
+    x = x.view(L, B, H, D).permute(1, 2, 0, 3).requires_grad_()
+    dy = torch.randn(x.shape, device=device, generator=g)
+    y = silu_norm_kernel(x)
+    y.backward(dy.to(y.dtype))
+    x64 = x.detach().double().requires_grad_()
+    s = torch.nn.functional.silu(x64) + 0.5
+    y64 = s / s.norm(dim=-1, keepdim=True)
+    y64.backward(dy.to(y.dtype).double())
+    errors = {"values": rel_rms(y, y64), "dx": rel_rms(x.grad, x64.grad)}
+    finite = bool(torch.isfinite(y).all() and torch.isfinite(x.grad).all())
+    tol = TOLERANCE[dtype_name]
+    return {"L": L, "dtype": dtype_name, "causal": False, "gates": FEATURE_MAP, "finite": finite,
+            "ok": finite and errors["values"] < tol["values"] and errors["dx"] < tol["grads"], "errors": errors}
 
 
 def check_cases(lengths: List[int]) -> List[tuple]:
@@ -313,6 +341,31 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, 
     return result
 
 
+def measure_feature_map(tokens: int, H: int, D: int, warmup: int, iters: int, device: str = "cuda") -> Dict:
+    """Forward+backward ms of LION-D/S's feature map on ``tokens`` tokens, bf16, in fairseq's layout: PyTorch's
+    form (``LION_BACKEND=torch``) against its kernel (``LION_BACKEND=triton``)."""
+    import os
+
+    import torch
+
+    from lion_fairseq.modules.feature_maps import silu_norm
+
+    x = torch.randn(tokens, H * D, device=device, dtype=torch.bfloat16).view(tokens, 1, H, D).permute(1, 2, 0, 3)
+    x.requires_grad_()
+    dy = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
+    before = os.environ.get("LION_BACKEND")
+    out = {}
+    try:
+        for backend in ("torch", "triton"):
+            os.environ["LION_BACKEND"] = backend
+            out[f"{backend}_ms"] = time_ms(lambda: silu_norm(x).backward(dy), warmup, iters, device)
+    finally:
+        os.environ.pop("LION_BACKEND")
+        if before is not None:
+            os.environ["LION_BACKEND"] = before
+    return out
+
+
 def fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else ("-" if x is None else str(x))
 
@@ -355,6 +408,11 @@ def markdown(report: Dict) -> str:
             if "fwd_tflops" in r:
                 lines.append(f"| {row['L']} | {impl} | {fmt(r['fwd_tflops'])} | {fmt(r['fwd_gbps'])} | "
                              f"{fmt(r.get('fwdbwd_tflops'))} | {fmt(r.get('fwdbwd_gbps'))} |")
+    if report.get("feature_map"):
+        f = report["feature_map"]
+        lines += ["", f"### LION-D/S's feature map, forward+backward, {a['tokens']} tokens, bf16", "",
+                  f"error: {f['error']}" if "error" in f else
+                  f"PyTorch: {fmt(f['torch_ms'])} ms; its Triton kernel: {fmt(f['triton_ms'])} ms."]
     if report.get("speed"):
         lines += ["", f"## fairseq-train in bf16, tokens per second (fairseq's wps, median after 3 updates), "
                   f"{a['train_tokens']} tokens per batch", "",
@@ -466,13 +524,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     fla = not fla_missing()
     # where a fault has made this process's GPU unusable, its own parts stop; those in subprocesses go on
     lost: Optional[str] = None
-    for L, dtype_name, causal, gates in check_cases([int(x) for x in args.check_lengths.split(",")]):
+    cases = check_cases([int(x) for x in args.check_lengths.split(",")])
+    cases += [(4096, dtype_name, False, FEATURE_MAP) for dtype_name in ("float32", "bfloat16")]
+    for L, dtype_name, causal, gates in cases:
         c = {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "ok": False}
         if lost:
             c["error"] = "not run: CUDA context lost"
         else:
             try:
-                c = check(L, dtype_name, causal, gates)
+                c = check(L, dtype_name, causal, gates) if gates != FEATURE_MAP else check_feature_map(L, dtype_name)
             except Exception as e:
                 c["error"] = repr(e)[:300]
                 lost = cuda_lost()
@@ -500,6 +560,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.cuda.empty_cache()
             print(f"L={L} B={B} {impl}: {row['results'][impl]}", flush=True)
             save(out, report)
+    if not over() and not lost:
+        try:
+            report["feature_map"] = measure_feature_map(args.tokens, args.heads, args.dim, args.warmup, args.iters)
+        except Exception as e:
+            report["feature_map"] = {"error": repr(e)[:300]}
+            lost = cuda_lost()
+            if lost:
+                report["cuda_lost"] = f"after the feature map's timing: {lost}"
+        print(f"feature map: {report['feature_map']}", flush=True)
+        save(out, report)
     root = out / "train"
     softmax_wps = {}
     for task, arch, backend, L in speed_runs(args, fla=fla):

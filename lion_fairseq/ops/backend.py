@@ -58,6 +58,13 @@ def requested(backend: Optional[str]) -> Optional[str]:
     return env or None
 
 
+def triton_chosen(x: Tensor, head_dims: Tuple[int, int]) -> bool:
+    """Whether LION's Triton kernels are asked for where no ``backend`` argument is passed
+    (``LION_BACKEND=triton``) and can run on ``x``: what the fused feature map follows, as the chunk form
+    does (a kernel that cannot run says why from the chunk form's call)."""
+    return requested(None) == "triton" and triton_unavailable(x, head_dims) is None
+
+
 def chunk_backend(backend: Optional[str], x: Tensor, head_dims: Tuple[int, int],
                   fla_available: Callable[[Tensor], bool],
                   fla_unavailable: Callable[[Tensor], Optional[str]]) -> str:

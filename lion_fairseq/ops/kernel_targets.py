@@ -1,4 +1,5 @@
-"""LION's Triton kernel compiled ahead of time for GPU targets, on a machine without a GPU:
+"""LION's Triton kernels (the attention's and LION-D/S's feature map's) compiled ahead of time for GPU
+targets, on a machine without a GPU:
 
     python -m lion_fairseq.ops.kernel_targets [--arch 90 80] [--head-dims 32 64 128] [--dtypes bfloat16 float32]
 
@@ -25,6 +26,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 LAUNCHED = ("_segment_sums", "_forward_walk", "_backward_walk", "_global_apply", "_row_grads")
+FEATURE_MAP_LAUNCHED = ("_silu_norm_forward", "_silu_norm_backward")  # in ops/feature_kernel.py
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8"}
 # the calls of every code path: (label, gates f and b as "token"/"head"/None, causal, padded)
 CASES = [("lit", None, None, False, False), ("lit-causal", None, None, True, False),
@@ -72,10 +74,10 @@ class _Recorder:
 
 
 @contextmanager
-def recorded(kernel_module) -> Iterator[List[Launch]]:
-    """Inside the block, the module's kernels record their launches into the yielded list."""
+def recorded(kernel_module, names: tuple = LAUNCHED) -> Iterator[List[Launch]]:
+    """Inside the block, the module's kernels ``names`` record their launches into the yielded list."""
     launches: List[Launch] = []
-    saved = {name: getattr(kernel_module, name) for name in LAUNCHED}
+    saved = {name: getattr(kernel_module, name) for name in names}
     for name, fn in saved.items():
         setattr(kernel_module, name, _Recorder(fn, launches))
     try:
@@ -89,8 +91,9 @@ def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = 
                 tf32: bool = False) -> List[Launch]:
     """Every distinct launch of the forward and backward of each case in ``CASES`` (those labelled in
     ``cases``, default all) at head size ``head_dim`` (inputs in ``dtype``), with more than one segment so
-    that the segment passes run too. ``tf32``: float32 products as on CUDA with
-    ``torch.backends.cuda.matmul.allow_tf32`` (else three TF32 products each, as with TF32 off)."""
+    that the segment passes run too, and the two of LION-D/S's feature map (``feature_kernel``). ``tf32``:
+    float32 products as on CUDA with ``torch.backends.cuda.matmul.allow_tf32`` (else three TF32 products
+    each, as with TF32 off)."""
     from . import kernel
 
     B, H, L = 1, 2, 200
@@ -114,6 +117,12 @@ def launches_of(head_dim: int, dtype: torch.dtype, cases: Optional[List[str]] = 
             if tf32 and "PREC" in launch.constexprs:
                 launch.constexprs["PREC"] = "tf32"
             out.setdefault(launch.key(), launch)
+    from . import feature_kernel
+
+    x = torch.randn(B, H, L, head_dim).to(dtype).requires_grad_()
+    with recorded(feature_kernel, FEATURE_MAP_LAUNCHED) as launches:  # LION-D/S's feature map
+        feature_kernel.silu_norm_kernel(x).backward(torch.ones_like(x))
+    out.update((launch.key(), launch) for launch in launches)
     return list(out.values())
 
 
@@ -137,9 +146,9 @@ def compile_for(launch: Launch, arch: int) -> Dict[str, object]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import kernel
+    from . import feature_kernel, kernel
 
-    fn = getattr(kernel, launch.kernel)
+    fn = getattr(kernel if launch.kernel in LAUNCHED else feature_kernel, launch.kernel)
     start = time.perf_counter()
     compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
