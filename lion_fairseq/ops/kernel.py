@@ -604,7 +604,8 @@ def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor],
     backward reads y (``keep``) and y is 16-bit (else None); the row sums ``(B*H, L)`` float32 (or None);
     and the total state of a bidirectional call without gates (or None)."""
     B, H, L = cfg.B, cfg.H, cfg.L
-    y = torch.empty(B, H, L, cfg.Dv, dtype=v.dtype, device=v.device)
+    # in v's layout: for a view of fairseq's (L, B, H*D) projection, y's (L, B, H*D) view is then free
+    y = torch.empty_like(v, memory_format=torch.preserve_format)
     den = torch.empty(B * H, L, dtype=torch.float32, device=v.device) if normalize else y
     lit = not causal and f is None and b is None
     walks = [] if lit else [(False, f)] if causal else [(True, b), (False, f)]
@@ -638,7 +639,8 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
               eps: float, needs: Tuple[bool, ...]):
     B, H, L = cfg.B, cfg.H, cfg.L
     BH = B * H
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    # in their inputs' layouts: the gradients of fairseq's (L, B, H*D) projections need no copy
+    dq, dk, dv = (torch.empty_like(x, memory_format=torch.preserve_format) for x in (q, k, v))
     if normalize:
         dden = torch.empty(BH, L, dtype=torch.float32, device=q.device)
         _row_grads[(BH, triton.cdiv(L, cfg.C))](
