@@ -1,19 +1,24 @@
 """Tuning LION's Triton kernel on a GPU: ``python -m lion_fairseq.benchmark.gpu --out DIR --tune``.
 
-The kernel takes its chunk size and warps from ``kernel.BLOCKS`` (by head size, forward and backward), and
-cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM`` programs per streaming
-multiprocessor. Both were chosen without a GPU (the largest chunk that spills no registers on sm_90). This
-times LION-S (per-token gates; bf16, the benchmark's heads, head size and tokens per batch) at each
-``--tune-lengths`` L over the candidates:
+The kernel takes its chunk size and warps from ``kernel.BLOCKS`` (by head size, forward and backward), its
+loops' pipelining stages from ``kernel.STAGES``, and cuts its walks into segments until there are about
+``kernel.PROGRAMS_PER_SM`` programs per streaming multiprocessor. They were chosen without a GPU (the
+largest chunk that spills no registers on sm_90; Triton's default stages). This times LION-S (per-token
+gates; bf16, the benchmark's heads, head size and tokens per batch) at each ``--tune-lengths`` L over the
+candidates:
 
 1. the forward's (chunk, warps) in ``FORWARD`` times ``PROGRAMS``, timed forward only (inference);
-2. with the fastest forward's, the backward's (chunk, warps) in ``BACKWARD`` times ``PROGRAMS``, timed
-   forward+backward; the kernel as it ships is timed first, for the comparison.
+2. the kernel as it ships, forward+backward, for the comparison;
+3. with the fastest forward's, the backward's (chunk, warps) in ``BACKWARD`` times ``PROGRAMS``, timed
+   forward+backward;
+4. with the fastest of each, the forward's stages in ``STAGES`` (timed forward), then the backward's
+   (forward+backward).
 
 Every candidate first computes values and gradients once, compared with the PyTorch chunk form on the same
 inputs (``gpu.compare``, bf16 tolerances): a fast configuration that is wrong is reported as such, not
 chosen. Writes ``tune.md`` and ``tune.json`` into ``--out`` after every candidate. It changes nothing in the
-kernel: what to ship is for whoever reads the table to put into ``BLOCKS`` and ``PROGRAMS_PER_SM``."""
+kernel: what to ship is for whoever reads the table to put into ``BLOCKS``, ``STAGES`` and
+``PROGRAMS_PER_SM``."""
 import json
 import time
 from contextlib import contextmanager
@@ -23,6 +28,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 FORWARD = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8))
 BACKWARD = ((16, 4), (16, 8), (32, 4), (32, 8))
 PROGRAMS = (2, 4, 8)
+STAGES = (1, 2, 3, 4)
 
 
 def head_class(D: int) -> int:
@@ -32,32 +38,38 @@ def head_class(D: int) -> int:
 
 @contextmanager
 def configured(D: int, forward: Optional[Tuple[int, int]] = None, backward: Optional[Tuple[int, int]] = None,
-               programs: Optional[int] = None) -> Iterator[None]:
-    """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D and
-    ``programs`` per streaming multiprocessor (None: as it ships); afterwards, what it took before."""
+               programs: Optional[int] = None, stages: Optional[Tuple[int, int]] = None) -> Iterator[None]:
+    """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D,
+    ``programs`` per streaming multiprocessor and (forward, backward) ``stages`` (None: as it ships);
+    afterwards, what it took before."""
     from lion_fairseq.ops import kernel
 
-    saved = ({pas: dict(by_head) for pas, by_head in kernel.BLOCKS.items()}, kernel.PROGRAMS_PER_SM)
+    saved = ({pas: dict(by_head) for pas, by_head in kernel.BLOCKS.items()}, kernel.PROGRAMS_PER_SM,
+             dict(kernel.STAGES))
     try:
         for pas, blocks in ((False, forward), (True, backward)):
             if blocks is not None:
                 kernel.BLOCKS[pas][head_class(D)] = tuple(blocks)
         if programs is not None:
             kernel.PROGRAMS_PER_SM = programs
+        if stages is not None:
+            kernel.STAGES.update({False: stages[0], True: stages[1]})
         yield
     finally:
         for pas, by_head in saved[0].items():
             kernel.BLOCKS[pas].clear()
             kernel.BLOCKS[pas].update(by_head)
         kernel.PROGRAMS_PER_SM = saved[1]
+        kernel.STAGES.update(saved[2])
 
 
 def shipped(D: int) -> Dict:
-    """The forward's and backward's (chunk, warps) and the programs per SM that the kernel ships with."""
+    """The forward's and backward's (chunk, warps), the programs per SM and the (forward, backward) stages
+    that the kernel ships with."""
     from lion_fairseq.ops import kernel
 
     return {"forward": kernel.BLOCKS[False][head_class(D)], "backward": kernel.BLOCKS[True][head_class(D)],
-            "programs": kernel.PROGRAMS_PER_SM}
+            "programs": kernel.PROGRAMS_PER_SM, "stages": (kernel.STAGES[False], kernel.STAGES[True])}
 
 
 def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: int, device: str) -> Dict:
@@ -94,10 +106,10 @@ def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: i
 
 def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callable[[], bool],
           record: Callable[[Dict], None], device: str = "cuda", forward: Tuple = FORWARD,
-          backward: Tuple = BACKWARD, programs: Tuple = PROGRAMS) -> None:
+          backward: Tuple = BACKWARD, programs: Tuple = PROGRAMS, stages: Tuple = STAGES) -> None:
     """Both passes of the tuning at one L (see the module's docstring); each row goes to ``record`` as it
-    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "chunk", "segments", "ok", "errors",
-    "ms"}``, or ``"skipped"`` once ``over()``."""
+    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "chunk", "segments", "ok",
+    "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
     import torch
 
     from .gpu import cuda_lost, make_inputs, outputs
@@ -108,15 +120,16 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     ships = shipped(D)
     lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
 
-    def one(pas: str, fwd, bwd, progs: int) -> Optional[Dict]:
-        row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs}
+    def one(pas: str, fwd, bwd, progs: int, stages=ships["stages"]) -> Optional[Dict]:
+        row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs,
+               "stages": list(stages)}
         if over() or lost:
             row["skipped"] = "budget" if not lost else "CUDA context lost"
         else:
             try:
-                with configured(D, fwd, bwd, progs):
-                    row.update(candidate(inputs, weight, ref, "fwd" if pas == "forward" else "fwdbwd", warmup,
-                                         iters, device))
+                with configured(D, fwd, bwd, progs, stages):
+                    row.update(candidate(inputs, weight, ref, "fwd" if pas.startswith("forward") else "fwdbwd",
+                                         warmup, iters, device))
             except Exception as e:  # one candidate that does not compile or run: recorded, the rest goes on
                 row["error"] = repr(e)[:300]
                 reason = cuda_lost() if device == "cuda" else None
@@ -127,13 +140,17 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
         record(row)
         return row if "ms" in row else None
 
-    timed = [one("forward", f, ships["backward"], p) for p in programs for f in forward]
-    timed = [r for r in timed if r]
-    best = min(timed, key=lambda r: r["ms"])["forward"] if timed else ships["forward"]
+    def fastest(rows: List[Optional[Dict]], default: Dict) -> Dict:
+        timed = [r for r in rows if r]
+        return min(timed, key=lambda r: r["ms"]) if timed else default
+
+    f = fastest([one("forward", c, ships["backward"], p) for p in programs for c in forward], ships)
     one("shipped", ships["forward"], ships["backward"], ships["programs"])
-    for p in programs:
-        for b in backward:
-            one("backward", best, b, p)
+    b = fastest([one("backward", f["forward"], c, p) for p in programs for c in backward], ships)
+    fs = fastest([one("forward stages", f["forward"], ships["backward"], f["programs"], (n, ships["stages"][1]))
+                  for n in stages], {"stages": ships["stages"]})["stages"][0]
+    for n in stages:
+        one("backward stages", f["forward"], b["backward"], b["programs"], (fs, n))
 
 
 def best_rows(rows: List[Dict]) -> List[Dict]:
@@ -151,16 +168,17 @@ def markdown(report: Dict) -> str:
     lines = ["# Tuning LION's Triton kernel: LION-S, bf16", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"`python -m lion_fairseq.benchmark.gpu --tune`: H = {a['heads']}, D = {a['dim']}, {a['tokens']} tokens "
              f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. Forward rows time the forward "
-             "alone; shipped and backward rows time forward+backward. The kernel ships with forward "
+             "alone; the others time forward+backward. The kernel ships with forward "
              f"{tuple(report['shipped']['forward'])}, backward {tuple(report['shipped']['backward'])} (chunk, "
-             f"warps) and {report['shipped']['programs']} programs per SM.", "",
-             "| L | B | pass | forward (chunk, warps) | backward (chunk, warps) | programs per SM | segments | ms | "
-             "values error | worst gradient error | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"warps), {report['shipped']['programs']} programs per SM and (forward, backward) stages "
+             f"{tuple(report['shipped']['stages'])}.", "",
+             "| L | B | pass | forward (chunk, warps) | backward (chunk, warps) | programs per SM | stages | segments "
+             "| ms | values error | worst gradient error | ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         head = (f"| {r['L']} | {r['B']} | {r['pass']} | {tuple(r['forward'])} | {tuple(r['backward'])} | "
-                f"{r['programs']} |")
+                f"{r['programs']} | {tuple(r['stages'])} |")
         if "skipped" in r or "error" in r:
-            lines.append(f"{head} | {r.get('error') or 'skipped (' + r['skipped'] + ')'} | | | |")
+            lines.append(f"{head} {r.get('error') or 'skipped (' + r['skipped'] + ')'} | | | | |")
             continue
         grads = {k: v for k, v in r["errors"].items() if k != "values"}
         worst = max(grads, key=grads.get)
@@ -172,7 +190,7 @@ def markdown(report: Dict) -> str:
     lines += ["", "Fastest that agree, by L and pass:", ""]
     for r in best_rows(report["rows"]):
         lines.append(f"- L = {r['L']}, {r['pass']}: forward {tuple(r['forward'])}, backward {tuple(r['backward'])}, "
-                     f"{r['programs']} programs per SM: {r['ms']:.3f} ms")
+                     f"{r['programs']} programs per SM, stages {tuple(r['stages'])}: {r['ms']:.3f} ms")
     return "\n".join(lines) + "\n"
 
 

@@ -496,6 +496,8 @@ BLOCKS = {False: {64: (32, 8), 128: (16, 8)}, True: {64: (16, 8), 128: (16, 8)}}
 # a walk is cut into segments until there are about this many programs per streaming multiprocessor (see
 # ``benchmark.gpu_tune`` for how this and ``BLOCKS`` are tuned on a GPU)
 PROGRAMS_PER_SM = 4
+# software-pipelining stages of the walks' loops, forward and backward (3: Triton's default on NVIDIA GPUs)
+STAGES = {False: 3, True: 3}
 
 
 class _Config:
@@ -508,6 +510,7 @@ class _Config:
         self.BK = max(16, triton.next_power_of_2(Dk))
         self.BV = max(16, triton.next_power_of_2(self.Dv))
         largest, self.num_warps = BLOCKS[backward][64 if max(self.BK, self.BV) <= 64 else 128]
+        self.num_stages = STAGES[backward]
         if INTERPRETED:  # no registers to spare there, and a step costs the same at any chunk: take fewer steps
             largest = 64
         # chunks are a power of two for tl.arange and at least 16 for tl.dot; the C x C temporaries and the
@@ -532,7 +535,8 @@ class _Config:
         self.PREC = "ieee" if INTERPRETED else "tf32" if tf32 else "tf32x3"
 
     def consts(self) -> dict:
-        return dict(C=self.C, BK=self.BK, BV=self.BV, PREC=self.PREC, num_warps=self.num_warps)
+        return dict(C=self.C, BK=self.BK, BV=self.BV, PREC=self.PREC, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
 
 
 def _addressable(x: Tensor) -> Tensor:

@@ -40,10 +40,11 @@ class Launch:
     signature: Dict[str, str]
     constexprs: Dict[str, object]
     num_warps: int
+    num_stages: int = 3
 
     def key(self) -> tuple:
         return (self.kernel, tuple(sorted(self.signature.items())), tuple(sorted(
-            (k, str(v)) for k, v in self.constexprs.items())), self.num_warps)
+            (k, str(v)) for k, v in self.constexprs.items())), self.num_warps, self.num_stages)
 
 
 class _Recorder:
@@ -55,7 +56,7 @@ class _Recorder:
     def __getitem__(self, grid):
         return self._record
 
-    def _record(self, *args, num_warps: int = 4, **kwargs) -> None:
+    def _record(self, *args, num_warps: int = 4, num_stages: int = 3, **kwargs) -> None:
         names = self.fn.arg_names
         values = dict(zip(names, args), **kwargs)
         constexpr = {p.name for p in self.fn.params if p.is_constexpr}
@@ -70,7 +71,7 @@ class _Recorder:
                 signature[name] = "fp32"
             else:
                 signature[name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
-        self.launches.append(Launch(self.fn.__name__, signature, constexprs, num_warps))
+        self.launches.append(Launch(self.fn.__name__, signature, constexprs, num_warps, num_stages))
 
 
 @contextmanager
@@ -151,7 +152,8 @@ def compile_for(launch: Launch, arch: int) -> Dict[str, object]:
     fn = getattr(kernel if launch.kernel in LAUNCHED else feature_kernel, launch.kernel)
     start = time.perf_counter()
     compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs),
-                              target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps,
+                                                                            "num_stages": launch.num_stages})
     seconds = time.perf_counter() - start
     # Triton's shared memory is dynamic, so it is in its metadata, not in the binary's static counts
     return dict(resources(compiled.asm["cubin"]), shared=compiled.metadata.shared, seconds=round(seconds, 1))
@@ -162,7 +164,8 @@ def describe(launch: Launch) -> str:
     flags = [k for k, v in launch.constexprs.items() if v is True]
     dt = launch.constexprs.get("DT")
     blocks = " ".join(f"{k}={launch.constexprs[k]}" for k in ("C", "BK", "BV") if k in launch.constexprs)
-    return f"{blocks}{' DT=' + str(dt) if dt is not None else ''} warps={launch.num_warps} {' '.join(flags)}"
+    return (f"{blocks}{' DT=' + str(dt) if dt is not None else ''} warps={launch.num_warps} "
+            f"stages={launch.num_stages} {' '.join(flags)}")
 
 
 def table(archs: List[int], head_dims: List[int], dtypes: List[torch.dtype], cases: Optional[List[str]] = None,
