@@ -268,6 +268,28 @@ def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stub
     assert "became unusable in the benchmark's process** (after the check at L = 1" in (tmp_path / "gpu.md").read_text()
 
 
+def test_a_fault_while_timing_stops_the_timings_after_it(tmp_path, stubbed, monkeypatch):
+    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates: {"L": L, "dtype": dt, "causal": causal,
+                                                                     "gates": gates, "ok": True, "finite": True,
+                                                                     "errors": {"values": 0.0, "dv": 0.0}})
+    monkeypatch.setattr(gpu, "cuda_lost", lambda: "AcceleratorError('illegal memory access')")
+
+    def measure(impl, *a):
+        stubbed.append(("measure", impl))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu, "measure", measure)
+    monkeypatch.setattr(gpu, "measure_feature_map", lambda *a: pytest.fail("timed on a lost GPU"))
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024,2048", "--check-lengths", "1"]) == 1
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert [c for c in stubbed if c[0] == "measure"] == [("measure", gpu.IMPLS[0])]
+    results = [r["results"] for r in report["timing"]]
+    assert "illegal memory access" in results[0][gpu.IMPLS[0]]["fwd_ms"]
+    assert all(results[1][i]["fwd_ms"] == "not run: CUDA context lost" for i in gpu.IMPLS)
+    assert report["cuda_lost"].startswith(f"after {gpu.IMPLS[0]} at L = 1024")
+    assert len([c for c in stubbed if c[0] == "train"]) == 13 and ("decoding",) not in stubbed
+
+
 def test_tune_run_writes_its_table_at_each_length(tmp_path, stubbed, monkeypatch):
     def sweep(L, B, H, D, warmup, iters, over, record):
         record({"L": L, "B": B, "pass": "shipped", "forward": [32, 8], "backward": [16, 8], "programs": 4,

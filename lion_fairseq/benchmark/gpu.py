@@ -556,8 +556,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 lost = cuda_lost()
                 if lost:
                     report["cuda_lost"] = f"after {impl} at L = {L}: {lost}"
-                    continue
-            torch.cuda.empty_cache()
+            if not lost:
+                torch.cuda.empty_cache()
             print(f"L={L} B={B} {impl}: {row['results'][impl]}", flush=True)
             save(out, report)
     if not over() and not lost:
