@@ -107,7 +107,7 @@ def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: i
 def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callable[[], bool],
           record: Callable[[Dict], None], device: str = "cuda", forward: Tuple = FORWARD,
           backward: Tuple = BACKWARD, programs: Tuple = PROGRAMS, stages: Tuple = STAGES) -> None:
-    """Both passes of the tuning at one L (see the module's docstring); each row goes to ``record`` as it
+    """The passes of the tuning at one L (see the module's docstring); each row goes to ``record`` as it
     is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "chunk", "segments", "ok",
     "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
     import torch
@@ -120,14 +120,14 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     ships = shipped(D)
     lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
 
-    def one(pas: str, fwd, bwd, progs: int, stages=ships["stages"]) -> Optional[Dict]:
+    def one(pas: str, fwd, bwd, progs: int, st=ships["stages"]) -> Optional[Dict]:
         row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs,
-               "stages": list(stages)}
+               "stages": list(st)}
         if over() or lost:
             row["skipped"] = "budget" if not lost else "CUDA context lost"
         else:
             try:
-                with configured(D, fwd, bwd, progs, stages):
+                with configured(D, fwd, bwd, progs, st):
                     row.update(candidate(inputs, weight, ref, "fwd" if pas.startswith("forward") else "fwdbwd",
                                          warmup, iters, device))
             except Exception as e:  # one candidate that does not compile or run: recorded, the rest goes on
@@ -167,8 +167,8 @@ def markdown(report: Dict) -> str:
     env, a = report["environment"], report["args"]
     lines = ["# Tuning LION's Triton kernel: LION-S, bf16", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"`python -m lion_fairseq.benchmark.gpu --tune`: H = {a['heads']}, D = {a['dim']}, {a['tokens']} tokens "
-             f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. Forward rows time the forward "
-             "alone; the others time forward+backward. The kernel ships with forward "
+             f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. The forward and forward stages "
+             "rows time the forward alone; the others time forward+backward. The kernel ships with forward "
              f"{tuple(report['shipped']['forward'])}, backward {tuple(report['shipped']['backward'])} (chunk, "
              f"warps), {report['shipped']['programs']} programs per SM and (forward, backward) stages "
              f"{tuple(report['shipped']['stages'])}.", "",
