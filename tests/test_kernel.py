@@ -231,6 +231,26 @@ def test_kernel_reads_strided_inputs(layout):
     assert max_err(y, ref, ref.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("gates,causal,dtype", [("token", False, torch.float32), ("head", False, torch.bfloat16),
+                                                 ("token", True, torch.float32), ("none", True, torch.float16)])
+def test_prefetch_changes_no_value(gates, causal, dtype, monkeypatch):
+    """Walks that load the next chunk's tiles ahead (``kernel.PREFETCH``) give the same values and
+    gradients, bit for bit, with padding on both sides and segments whose last chunk's successor lies in
+    the next segment or past the end."""
+    from lion_fairseq.ops import kernel as kmod
+
+    inputs = make_inputs(70, gates, D=16, seed=4, dtype=torch.float32)
+    inputs = [x.to(dtype) for x in inputs[:3]] + inputs[3:]
+    weight = torch.randn(B, H, 70, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    run = lambda *x: kernel(*x, causal=causal, key_padding_mask=padding(70), segment_chunks=2)  # noqa: E731
+    y, g = value_and_grads(run, inputs, weight)
+    monkeypatch.setattr(kmod, "PREFETCH", {False: True, True: True})
+    y_ahead, g_ahead = value_and_grads(run, inputs, weight)
+    assert torch.equal(y, y_ahead)
+    for a, r in zip(g_ahead, g):
+        assert (a is None) == (r is None) and (r is None or torch.equal(a, r))
+
+
 def test_rows_beyond_32_bit_offsets_are_copied():
     """The kernel adds row offsets in 32 bits: a view of fairseq's layout whose rows reach 2^31 elements
     (64 x 12 heads x 64 at L = 65536) is read from a contiguous copy, one within reach in place."""

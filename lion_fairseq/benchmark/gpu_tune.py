@@ -1,9 +1,10 @@
 """Tuning LION's Triton kernel on a GPU: ``python -m lion_fairseq.benchmark.gpu --out DIR --tune``.
 
 The kernel takes its chunk size and warps from ``kernel.BLOCKS`` (by head size, forward and backward), its
-loops' pipelining stages from ``kernel.STAGES``, and cuts its walks into segments until there are about
-``kernel.PROGRAMS_PER_SM`` programs per streaming multiprocessor. They were chosen without a GPU (the
-largest chunk that spills no registers on sm_90; Triton's default stages). This times LION-S (per-token
+loops' pipelining stages from ``kernel.STAGES``, whether its walks load the next chunk ahead from
+``kernel.PREFETCH``, and cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM``
+programs per streaming multiprocessor. They were chosen without a GPU (the largest chunk that spills no
+registers on sm_90; Triton's default stages; no prefetch). This times LION-S (per-token
 gates; bf16, the benchmark's heads, head size and tokens per batch) at each ``--tune-lengths`` L over the
 candidates:
 
@@ -12,12 +13,14 @@ candidates:
 3. with the fastest forward's, the backward's (chunk, warps) in ``BACKWARD`` times ``PROGRAMS``, timed
    forward+backward;
 4. with the fastest of each, the forward's stages in ``STAGES`` (timed forward), then the backward's
+   (forward+backward);
+5. with the fastest of those, the forward walks loading ahead (timed forward), then the backward's
    (forward+backward).
 
 Every candidate first computes values and gradients once, compared with the PyTorch chunk form on the same
 inputs (``gpu.compare``, bf16 tolerances): a fast configuration that is wrong is reported as such, not
 chosen. Writes ``tune.md`` and ``tune.json`` into ``--out`` after every candidate. It changes nothing in the
-kernel: what to ship is for whoever reads the table to put into ``BLOCKS``, ``STAGES`` and
+kernel: what to ship is for whoever reads the table to put into ``BLOCKS``, ``STAGES``, ``PREFETCH`` and
 ``PROGRAMS_PER_SM``."""
 import json
 import time
@@ -38,14 +41,15 @@ def head_class(D: int) -> int:
 
 @contextmanager
 def configured(D: int, forward: Optional[Tuple[int, int]] = None, backward: Optional[Tuple[int, int]] = None,
-               programs: Optional[int] = None, stages: Optional[Tuple[int, int]] = None) -> Iterator[None]:
+               programs: Optional[int] = None, stages: Optional[Tuple[int, int]] = None,
+               prefetch: Optional[Tuple[bool, bool]] = None) -> Iterator[None]:
     """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D,
-    ``programs`` per streaming multiprocessor and (forward, backward) ``stages`` (None: as it ships);
-    afterwards, what it took before."""
+    ``programs`` per streaming multiprocessor, (forward, backward) ``stages`` and ``prefetch`` (None: as it
+    ships); afterwards, what it took before."""
     from lion_fairseq.ops import kernel
 
     saved = ({pas: dict(by_head) for pas, by_head in kernel.BLOCKS.items()}, kernel.PROGRAMS_PER_SM,
-             dict(kernel.STAGES))
+             dict(kernel.STAGES), dict(kernel.PREFETCH))
     try:
         for pas, blocks in ((False, forward), (True, backward)):
             if blocks is not None:
@@ -54,6 +58,8 @@ def configured(D: int, forward: Optional[Tuple[int, int]] = None, backward: Opti
             kernel.PROGRAMS_PER_SM = programs
         if stages is not None:
             kernel.STAGES.update({False: stages[0], True: stages[1]})
+        if prefetch is not None:
+            kernel.PREFETCH.update({False: bool(prefetch[0]), True: bool(prefetch[1])})
         yield
     finally:
         for pas, by_head in saved[0].items():
@@ -61,15 +67,17 @@ def configured(D: int, forward: Optional[Tuple[int, int]] = None, backward: Opti
             kernel.BLOCKS[pas].update(by_head)
         kernel.PROGRAMS_PER_SM = saved[1]
         kernel.STAGES.update(saved[2])
+        kernel.PREFETCH.update(saved[3])
 
 
 def shipped(D: int) -> Dict:
     """The forward's and backward's (chunk, warps), the programs per SM and the (forward, backward) stages
-    that the kernel ships with."""
+    and prefetch that the kernel ships with."""
     from lion_fairseq.ops import kernel
 
     return {"forward": kernel.BLOCKS[False][head_class(D)], "backward": kernel.BLOCKS[True][head_class(D)],
-            "programs": kernel.PROGRAMS_PER_SM, "stages": (kernel.STAGES[False], kernel.STAGES[True])}
+            "programs": kernel.PROGRAMS_PER_SM, "stages": (kernel.STAGES[False], kernel.STAGES[True]),
+            "prefetch": (kernel.PREFETCH[False], kernel.PREFETCH[True])}
 
 
 def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: int, device: str) -> Dict:
@@ -108,8 +116,8 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
           record: Callable[[Dict], None], device: str = "cuda", forward: Tuple = FORWARD,
           backward: Tuple = BACKWARD, programs: Tuple = PROGRAMS, stages: Tuple = STAGES) -> None:
     """The passes of the tuning at one L (see the module's docstring); each row goes to ``record`` as it
-    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "chunk", "segments", "ok",
-    "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
+    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch", "chunk",
+    "segments", "ok", "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
     import torch
 
     from .gpu import cuda_lost, make_inputs, outputs
@@ -120,14 +128,14 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     ships = shipped(D)
     lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
 
-    def one(pas: str, fwd, bwd, progs: int, st=ships["stages"]) -> Optional[Dict]:
+    def one(pas: str, fwd, bwd, progs: int, st=ships["stages"], ahead=ships["prefetch"]) -> Optional[Dict]:
         row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs,
-               "stages": list(st)}
+               "stages": list(st), "prefetch": list(ahead)}
         if over() or lost:
             row["skipped"] = "budget" if not lost else "CUDA context lost"
         else:
             try:
-                with configured(D, fwd, bwd, progs, st):
+                with configured(D, fwd, bwd, progs, st, ahead):
                     row.update(candidate(inputs, weight, ref, "fwd" if pas.startswith("forward") else "fwdbwd",
                                          warmup, iters, device))
             except Exception as e:  # one candidate that does not compile or run: recorded, the rest goes on
@@ -149,8 +157,12 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     b = fastest([one("backward", f["forward"], c, p) for p in programs for c in backward], ships)
     fs = fastest([one("forward stages", f["forward"], ships["backward"], f["programs"], (n, ships["stages"][1]))
                   for n in stages], {"stages": ships["stages"]})["stages"][0]
-    for n in stages:
-        one("backward stages", f["forward"], b["backward"], b["programs"], (fs, n))
+    bs = fastest([one("backward stages", f["forward"], b["backward"], b["programs"], (fs, n)) for n in stages],
+                 {"stages": ships["stages"]})["stages"][1]
+    fa = fastest([one("forward prefetch", f["forward"], ships["backward"], f["programs"], (fs, ships["stages"][1]),
+                      (a, ships["prefetch"][1])) for a in (False, True)], {"prefetch": ships["prefetch"]})
+    for a in (False, True):
+        one("backward prefetch", f["forward"], b["backward"], b["programs"], (fs, bs), (fa["prefetch"][0], a))
 
 
 def best_rows(rows: List[Dict]) -> List[Dict]:
@@ -167,16 +179,17 @@ def markdown(report: Dict) -> str:
     env, a = report["environment"], report["args"]
     lines = ["# Tuning LION's Triton kernel: LION-S, bf16", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"`python -m lion_fairseq.benchmark.gpu --tune`: H = {a['heads']}, D = {a['dim']}, {a['tokens']} tokens "
-             f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. The forward and forward stages "
-             "rows time the forward alone; the others time forward+backward. The kernel ships with forward "
+             f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. Rows whose pass starts with "
+             "'forward' time the forward alone; the others time forward+backward. The kernel ships with forward "
              f"{tuple(report['shipped']['forward'])}, backward {tuple(report['shipped']['backward'])} (chunk, "
-             f"warps), {report['shipped']['programs']} programs per SM and (forward, backward) stages "
-             f"{tuple(report['shipped']['stages'])}.", "",
-             "| L | B | pass | forward (chunk, warps) | backward (chunk, warps) | programs per SM | stages | segments "
-             "| ms | values error | worst gradient error | ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"warps), {report['shipped']['programs']} programs per SM, (forward, backward) stages "
+             f"{tuple(report['shipped']['stages'])} and prefetch {tuple(report['shipped']['prefetch'])}.", "",
+             "| L | B | pass | forward (chunk, warps) | backward (chunk, warps) | programs per SM | stages | prefetch "
+             "| segments | ms | values error | worst gradient error | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         head = (f"| {r['L']} | {r['B']} | {r['pass']} | {tuple(r['forward'])} | {tuple(r['backward'])} | "
-                f"{r['programs']} | {tuple(r['stages'])} |")
+                f"{r['programs']} | {tuple(r['stages'])} | {tuple(r['prefetch'])} |")
         if "skipped" in r or "error" in r:
             lines.append(f"{head} {r.get('error') or 'skipped (' + r['skipped'] + ')'} | | | | |")
             continue
@@ -190,7 +203,8 @@ def markdown(report: Dict) -> str:
     lines += ["", "Fastest that agree, by L and pass:", ""]
     for r in best_rows(report["rows"]):
         lines.append(f"- L = {r['L']}, {r['pass']}: forward {tuple(r['forward'])}, backward {tuple(r['backward'])}, "
-                     f"{r['programs']} programs per SM, stages {tuple(r['stages'])}: {r['ms']:.3f} ms")
+                     f"{r['programs']} programs per SM, stages {tuple(r['stages'])}, prefetch {tuple(r['prefetch'])}: "
+                     f"{r['ms']:.3f} ms")
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,10 @@ physical position ``L-1-p`` (no shift).
 Parallelism: a walk over L tokens is sequential, so the sequence is cut into *segments* of chunks. One
 small pass sums each segment's contribution to the state (``_segment_sums``), a matrix of decays turns
 them into the state entering each segment (``_entering``, in PyTorch: at most a few hundred segments),
-and then every segment walks on its own: ``B*H*segments`` programs whatever L is.
+and then every segment walks on its own: ``B*H*segments`` programs whatever L is. A walk's steps wait on
+their chunk's q, k, v (and dy) rows, which Triton's pipeliner leaves alone (they feed products and
+elementwise terms both); with ``PREFETCH`` each step loads the next chunk's rows before computing its own
+(off until a GPU shows that it pays: ``benchmark.gpu_tune``).
 
 The two directions meet in the normaliser, ``y = (n_fwd + n_bwd) / (d_fwd + d_bwd + eps)``: the first walk
 leaves ``n/(d+eps)`` in y (in y's dtype: a weighted mean of v, so it needs no more range than y) and
@@ -158,6 +161,28 @@ def _keys(pad, t, valid, stride_l, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
+def _pad_bytes(pad, t, valid, stride_l, C: tl.constexpr, HAS_PAD: tl.constexpr):
+    """The key padding mask at positions t (1 where absent), as loaded: a walk that loads the next chunk
+    ahead (``PREFETCH``) must not wait on it, so it is compared only where it is used (``_kept``)."""
+    if HAS_PAD:
+        x = tl.load(pad + t * stride_l, mask=valid, other=1)
+    else:
+        x = tl.zeros((C,), tl.uint8)
+    return x
+
+
+@triton.jit
+def _kept(k, valid, padb, HAS_PAD: tl.constexpr):
+    """Positions whose key counts (present and not padding), and the key rows k zeroed elsewhere."""
+    if HAS_PAD:
+        keep = valid & (padb == 0)
+        k = tl.where(keep[:, None], k, tl.zeros_like(k))
+    else:
+        keep = valid
+    return keep, k
+
+
+@triton.jit
 def _grad_rows(dy_ptr, den_ptr, dden_ptr, t, valid, sdy_l, Dv, eps, BV: tl.constexpr, C: tl.constexpr,
                NORMALIZE: tl.constexpr):
     """The gradients w.r.t. the unnormalised output (do) and the row sum (dden, from ``_row_grads``) of a
@@ -278,16 +303,50 @@ def _segment_sums(X, YV, DY, DDEN, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
 
 
 @triton.jit
+def _walk_tiles(Qp, Kp, Vp, Gp, PADp, c, L, sq_l, sk_l, sv_l, sg_l, sp_l, Dk, Dv, C: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr, HAS_GATE: tl.constexpr,
+                HAS_PAD: tl.constexpr):
+    """Chunk c's q, k, v rows, gates and padding, as loaded (nothing waits on them here: ``PREFETCH``)."""
+    p, valid, t = _positions(c, L, C, REVERSE)
+    return (_rows(Qp, t, valid, sq_l, Dk, BK), _rows(Kp, t, valid, sk_l, Dk, BK), _rows(Vp, t, valid, sv_l, Dv, BV),
+            _gates(Gp, t, valid, sg_l, HAS_GATE, C), _pad_bytes(PADp, t, valid, sp_l, C, HAS_PAD))
+
+
+@triton.jit
+def _grad_tiles(Qp, Kp, Vp, DYp, DENp, DDENp, Gp, PADp, c, L, sq_l, sk_l, sv_l, sdy_l, sg_l, sp_l, Dk, Dv,
+                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr, SHIFT: tl.constexpr,
+                HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Chunk c's q, k, v, dy rows, row sums and their gradients, gates (``SHIFT``: of the frame's previous
+    position) and padding, as loaded, for a backward walk."""
+    p, valid, t = _positions(c, L, C, REVERSE)
+    if SHIFT:
+        tg, vg = _before(t, valid, L, REVERSE)
+    else:
+        tg, vg = t, valid
+    if NORMALIZE:
+        den = tl.load(DENp + t, mask=valid, other=0.0)
+        dden = tl.load(DDENp + t, mask=valid, other=0.0)
+    else:
+        den = tl.zeros((C,), tl.float32)
+        dden = tl.zeros((C,), tl.float32)
+    return (_rows(Qp, t, valid, sq_l, Dk, BK), _rows(Kp, t, valid, sk_l, Dk, BK), _rows(Vp, t, valid, sv_l, Dv, BV),
+            _rows(DYp, t, valid, sdy_l, Dv, BV), den, dden, _gates(Gp, tg, vg, sg_l, HAS_GATE, C),
+            _pad_bytes(PADp, t, valid, sp_l, C, HAS_PAD))
+
+
+@triton.jit
 def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
                   sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sy_b, sy_h, sy_l,
                   sg_b, sg_h, sg_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
                   STRICT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, HAS_STATE: tl.constexpr,
                   FIRST: tl.constexpr, NORMALIZE: tl.constexpr, LO_IN: tl.constexpr, LO_OUT: tl.constexpr,
-                  DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr):
+                  DT: tl.constexpr, SDT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """One direction over one segment: in-chunk attention plus what the queries read from the state.
     ``FIRST``: the first direction, its result left in Y (``n/(d+eps)``, or n) and DEN (d); otherwise that
-    is read back and added. ``LO_IN``, ``LO_OUT``: Y is read, written, as a pair with YL (``_store_sum``)."""
+    is read back and added. ``LO_IN``, ``LO_OUT``: Y is read, written, as a pair with YL (``_store_sum``).
+    ``PREFETCH``: each step loads the next chunk's tiles before computing its own, so that their latency
+    overlaps this step's products (Triton's pipeliner leaves these loads alone)."""
     bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
@@ -297,13 +356,21 @@ def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
     Gp = G + b * sg_b + h * sg_h
     DENp = DEN + bh * L
     S, z = _load_state(S0, Z0, bh * tl.num_programs(1) + seg, BK, BV, HAS_STATE)
+    PADp = PAD + b * sp_b
+    c0 = seg * seg_chunks
+    if PREFETCH:
+        qn, kn, vn, gn, padn = _walk_tiles(Qp, Kp, Vp, Gp, PADp, c0, L, sq_l, sk_l, sv_l, sg_l, sp_l, Dk, Dv, C, BK,
+                                           BV, REVERSE, HAS_GATE, HAS_PAD)
     for i in range(seg_chunks):
-        p, valid, t = _positions(seg * seg_chunks + i, L, C, REVERSE)
-        keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
-        q = _rows(Qp, t, valid, sq_l, Dk, BK)
-        k = _rows(Kp, t, keep, sk_l, Dk, BK)
-        v = _rows(Vp, t, valid, sv_l, Dv, BV)
-        g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
+        p, valid, t = _positions(c0 + i, L, C, REVERSE)
+        if PREFETCH:
+            q, k, v, g, padb = qn, kn, vn, gn, padn
+            qn, kn, vn, gn, padn = _walk_tiles(Qp, Kp, Vp, Gp, PADp, c0 + i + 1, L, sq_l, sk_l, sv_l, sg_l, sp_l, Dk,
+                                               Dv, C, BK, BV, REVERSE, HAS_GATE, HAS_PAD)
+        else:
+            q, k, v, g, padb = _walk_tiles(Qp, Kp, Vp, Gp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sg_l, sp_l, Dk, Dv, C,
+                                           BK, BV, REVERSE, HAS_GATE, HAS_PAD)
+        keep, k = _kept(k, valid, padb, HAS_PAD)
         hi, lo, read, own, decay = _decays(g)
         A = _mm(q, tl.trans(k), DT, PREC) * _in_chunk_decay(hi, lo, C, STRICT, HAS_GATE)
         num = _mm(A, v, DT, PREC) + read[:, None] * _mm(q, S, SDT, PREC)
@@ -336,7 +403,8 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
                    HAS_PAD: tl.constexpr, S_IN: tl.constexpr, M_IN: tl.constexpr, G_IN: tl.constexpr,
                    NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr, DCUM_B: tl.constexpr, MOMENTS: tl.constexpr,
                    P_SUMS: tl.constexpr, FIRST: tl.constexpr, LO_IN: tl.constexpr, LO_OUT: tl.constexpr,
-                   DT: tl.constexpr, SDT: tl.constexpr, GDT: tl.constexpr, PREC: tl.constexpr):
+                   DT: tl.constexpr, SDT: tl.constexpr, GDT: tl.constexpr, PREC: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     """One direction's gradients over one segment, one of two parts, each a launch of its own. ``ALONG``:
     the direction walked along (gates GA): dq, in the chunk and from the state S, and the gate sums;
     otherwise the one walked against (gates GB, read at the previous position): dk and dv, in the chunk
@@ -346,7 +414,8 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
     dtype of the products with do (float16's range is too small for do = dy / (d + eps) where d is small,
     as in a padded row). RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
     per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first two is
-    wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero)."""
+    wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero).
+    ``PREFETCH``: as in ``_forward_walk``."""
     bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
@@ -361,16 +430,33 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
     jj = tl.arange(0, C)[None, :]
     pos = tl.arange(0, C).to(tl.float32)
     mom = tl.zeros((C,), tl.float32)
+    DYp = DY + b * sdy_b + h * sdy_h
+    PADp = PAD + b * sp_b
+    if ALONG:  # the gates of this walk's direction, at each position
+        Gp, sg_l, HAS_G = GA + b * sga_b + h * sga_h, sga_l, GATE_A
+    else:  # the other direction's, at the frame's previous position
+        Gp, sg_l, HAS_G = GB + b * sgb_b + h * sgb_h, sgb_l, GATE_B
+    c0 = seg * seg_chunks
+    if PREFETCH:
+        qn, kn, vn, dyn, denn, ddenn, gn, padn = _grad_tiles(
+            Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0, L, sq_l, sk_l, sv_l, sdy_l, sg_l, sp_l, Dk,
+            Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
     for i in range(seg_chunks):
-        p, valid, t = _positions(seg * seg_chunks + i, L, C, REVERSE)
-        keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
-        q = _rows(Qp, t, valid, sq_l, Dk, BK)
-        k = _rows(Kp, t, keep, sk_l, Dk, BK)
-        v = _rows(Vp, t, valid, sv_l, Dv, BV)
-        do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv, eps,
-                              BV, C, NORMALIZE)
+        p, valid, t = _positions(c0 + i, L, C, REVERSE)
+        if PREFETCH:
+            q, k, v, dy, den, dden, g, padb = qn, kn, vn, dyn, denn, ddenn, gn, padn
+            qn, kn, vn, dyn, denn, ddenn, gn, padn = _grad_tiles(
+                Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0 + i + 1, L, sq_l, sk_l, sv_l, sdy_l, sg_l,
+                sp_l, Dk, Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
+        else:
+            q, k, v, dy, den, dden, g, padb = _grad_tiles(
+                Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sdy_l, sg_l,
+                sp_l, Dk, Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
+        keep, k = _kept(k, valid, padb, HAS_PAD)
+        do = dy.to(tl.float32)
+        if NORMALIZE:
+            do = do * (1.0 / (den + eps))[:, None]
         if ALONG:
-            g = _gates(GA + b * sga_b + h * sga_h, t, valid, sga_l, GATE_A, C)
             hi, lo, read, own, decay = _decays(g)
             W = _in_chunk_decay(hi, lo, C, STRICT, GATE_A)
             A = _mm(q, tl.trans(k), DT, PREC) * W
@@ -399,8 +485,6 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
             S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
             z = decay * z + tl.sum(ks, 0)
         else:
-            tp, vp = _before(t, valid, L, REVERSE)
-            g = _gates(GB + b * sgb_b + h * sgb_h, tp, vp, sgb_l, GATE_B, C)
             hi, lo, read, own, decay = _decays(g)
             # in the chunk, keys j (rows) read queries i <= j (columns) of this frame: the transpose of
             # what the other walk's along part computes for dq
@@ -498,6 +582,9 @@ BLOCKS = {False: {64: (32, 8), 128: (16, 8)}, True: {64: (16, 8), 128: (16, 8)}}
 PROGRAMS_PER_SM = 4
 # software-pipelining stages of the walks' loops, forward and backward (3: Triton's default on NVIDIA GPUs)
 STAGES = {False: 3, True: 3}
+# whether the walks load the next chunk's tiles before computing their own, forward and backward (no
+# registers spilled either way on sm_90 at D <= 64; not yet timed on a GPU)
+PREFETCH = {False: False, True: False}
 
 
 class _Config:
@@ -631,7 +718,8 @@ def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor],
             *state, *common, *_s3(g), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
             REVERSE=reverse, STRICT=reverse, HAS_GATE=g is not None, HAS_PAD=pad is not None,
             HAS_STATE=cfg.nseg > 1, FIRST=n == 0, NORMALIZE=normalize, LO_IN=lo is not None and n > 0,
-            LO_OUT=lo is not None and (keep or n < len(walks) - 1), DT=cfg.DT, SDT=cfg.SDT, **cfg.consts())
+            LO_OUT=lo is not None and (keep or n < len(walks) - 1), DT=cfg.DT, SDT=cfg.SDT,
+            PREFETCH=PREFETCH[False], **cfg.consts())
     return y, (lo if keep else None), (den if normalize else None), None
 
 
@@ -713,7 +801,7 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
                 NORMALIZE=normalize, DCUM_A=along and rca is not None, DCUM_B=not along and rcb is not None,
                 MOMENTS=along and mom is not None, P_SUMS=along and (rca is not None or mom is not None),
                 FIRST=first, LO_IN=cfg.SPLIT and not first, LO_OUT=cfg.SPLIT and not last, DT=cfg.DT,
-                SDT=cfg.SDT, GDT=cfg.GDT, **cfg.consts())
+                SDT=cfg.SDT, GDT=cfg.GDT, PREFETCH=PREFETCH[True], **cfg.consts())
     df = _gate_grad(f, needs[3], sums[False][2], sums[False][0], sums[True][1], cfg, reverse=False)
     db = _gate_grad(b, needs[4], sums[True][2], sums[True][0], sums[False][1], cfg, reverse=True)
     return dq, dk, dv, df, db

@@ -193,11 +193,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tf32", action="store_true",
                         help="float32 products in TF32, as with torch.backends.cuda.matmul.allow_tf32 (default: 3xTF32, "
                              "as with it off)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="the walks load the next chunk's tiles ahead (kernel.PREFETCH, off as the kernel ships)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
         return 2
-    rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases, args.tf32)
+    from . import kernel
+
+    saved = dict(kernel.PREFETCH)
+    if args.prefetch:
+        kernel.PREFETCH.update({False: True, True: True})
+    try:
+        rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases, args.tf32)
+    finally:
+        kernel.PREFETCH.update(saved)
     import triton
 
     print(f"Triton {triton.__version__}\n")
