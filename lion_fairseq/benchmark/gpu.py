@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .gpu_training import FORMS, PRECISIONS, eval_lm_forms, recurrent_decoding, train_and_evaluate, train_speed
+from .gpu_training import (FORMS, PRECISIONS, eval_lm_forms, lion_backend, recurrent_decoding, train_and_evaluate,
+                           train_speed)
 
 IMPLS = ("lion-s-triton", "lion-d-triton", "lion-lit-triton", "lion-s-fla", "lion-lit-fla", "sdpa")
 GATES = ("none", "head", "token")
@@ -173,23 +174,21 @@ def check_feature_map(L: int, dtype_name: str, device: str = "cuda", B: int = 2,
     of x's gradient, within ``TOLERANCE``."""
     import torch
 
+    from lion_fairseq.modules.feature_maps import silu_norm
     from lion_fairseq.ops.feature_kernel import silu_norm_kernel
 
     g = torch.Generator(device=device).manual_seed(L)
     x = (3 * torch.randn(L, B, H * D, device=device, generator=g)).to(getattr(torch, dtype_name))
-    x = x.view(L, B, H, D).permute(1, 2, 0, 3).requires_grad_()
-    dy = torch.randn(x.shape, device=device, generator=g)
-    y = silu_norm_kernel(x)
-    y.backward(dy.to(y.dtype))
-    x64 = x.detach().double().requires_grad_()
-    s = torch.nn.functional.silu(x64) + 0.5
-    y64 = s / s.norm(dim=-1, keepdim=True)
-    y64.backward(dy.to(y.dtype).double())
-    errors = {"values": rel_rms(y, y64), "dx": rel_rms(x.grad, x64.grad)}
-    finite = bool(torch.isfinite(y).all() and torch.isfinite(x.grad).all())
-    tol = TOLERANCE[dtype_name]
-    return {"L": L, "dtype": dtype_name, "causal": False, "gates": FEATURE_MAP, "finite": finite,
-            "ok": finite and errors["values"] < tol["values"] and errors["dx"] < tol["grads"], "errors": errors}
+    x = x.view(L, B, H, D).permute(1, 2, 0, 3)
+    dy = torch.randn(x.shape, device=device, generator=g).to(x.dtype)
+    got, ref = [], []
+    for fn, inp, out in ((silu_norm_kernel, x, got), (silu_norm, x.double(), ref)):  # float64: the PyTorch form
+        leaf = inp.detach().requires_grad_()
+        y = fn(leaf)
+        y.backward(dy.to(y.dtype))
+        out += [y.detach(), {"x": leaf.grad}]
+    return {"L": L, "dtype": dtype_name, "causal": False, "gates": FEATURE_MAP,
+            **compare(tuple(got), tuple(ref), ["x"], dtype_name)}
 
 
 def check_cases(lengths: List[int]) -> List[tuple]:
@@ -303,15 +302,10 @@ def fla_missing(device: str = "cuda") -> Optional[str]:
     return fla_unavailable(torch.zeros(1, device=device))
 
 
-def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, device: str = "cuda") -> Dict:
+def timed_calls(run: Callable, inputs: list, grad_out) -> Dict[str, Callable[[], None]]:
+    """What is timed of ``run`` on ``inputs``: "fwd", one call without autograd (inference), and "fwdbwd",
+    one call and its backward from ``grad_out``."""
     import torch
-
-    missing = fla_missing(device) if impl.endswith("fla") else None
-    if missing:
-        return {"fwd_ms": "not run: " + missing}
-    run = runner(impl)
-    inputs = make_inputs(B, H, L, D, torch.bfloat16, gates_of(impl), grad=True, device=device)
-    grad_out = torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16)
 
     def fwd():
         with torch.no_grad():
@@ -323,8 +317,19 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, 
                 x.grad = None
         run(*inputs).backward(grad_out)
 
+    return {"fwd": fwd, "fwdbwd": fwdbwd}
+
+
+def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, device: str = "cuda") -> Dict:
+    import torch
+
+    missing = fla_missing(device) if impl.endswith("fla") else None
+    if missing:
+        return {"fwd_ms": "not run: " + missing}
+    inputs = make_inputs(B, H, L, D, torch.bfloat16, gates_of(impl), grad=True, device=device)
+    grad_out = torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16)
     result = {}
-    for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+    for mode, fn in timed_calls(runner(impl), inputs, grad_out).items():
         try:
             result[f"{mode}_ms"] = time_ms(fn, warmup, iters, device)
             result[f"{mode}_mib"] = peak_mib(fn, device)
@@ -344,8 +349,6 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, 
 def measure_feature_map(tokens: int, H: int, D: int, warmup: int, iters: int, device: str = "cuda") -> Dict:
     """Forward+backward ms of LION-D/S's feature map on ``tokens`` tokens, bf16, in fairseq's layout: PyTorch's
     form (``LION_BACKEND=torch``) against its kernel (``LION_BACKEND=triton``)."""
-    import os
-
     import torch
 
     from lion_fairseq.modules.feature_maps import silu_norm
@@ -353,16 +356,10 @@ def measure_feature_map(tokens: int, H: int, D: int, warmup: int, iters: int, de
     x = torch.randn(tokens, H * D, device=device, dtype=torch.bfloat16).view(tokens, 1, H, D).permute(1, 2, 0, 3)
     x.requires_grad_()
     dy = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
-    before = os.environ.get("LION_BACKEND")
     out = {}
-    try:
-        for backend in ("torch", "triton"):
-            os.environ["LION_BACKEND"] = backend
+    for backend in ("torch", "triton"):
+        with lion_backend(backend):
             out[f"{backend}_ms"] = time_ms(lambda: silu_norm(x).backward(dy), warmup, iters, device)
-    finally:
-        os.environ.pop("LION_BACKEND")
-        if before is not None:
-            os.environ["LION_BACKEND"] = before
     return out
 
 
@@ -489,6 +486,15 @@ def cuda_lost() -> Optional[str]:
         return repr(e)[:300]
 
 
+def lost_after(report: Dict, where: str) -> Optional[str]:
+    """After a failure at ``where``: why this process can no longer use the GPU (``cuda_lost``), or None;
+    the first such reason is kept in ``report["cuda_lost"]``."""
+    lost = cuda_lost()
+    if lost:
+        report.setdefault("cuda_lost", f"after {where}: {lost}")
+    return lost
+
+
 def evaluate_forms(report: Dict, checkpoint: Path, L: int, fla: bool, lost: Optional[str]) -> None:
     """Into ``report``: ``fairseq-eval-lm`` of the LION LM checkpoint in every form and backend ("eval_lm";
     the chunk form on fla where ``fla``), and greedy recurrent decoding through the hub's generator
@@ -535,9 +541,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 c = check(L, dtype_name, causal, gates) if gates != FEATURE_MAP else check_feature_map(L, dtype_name)
             except Exception as e:
                 c["error"] = repr(e)[:300]
-                lost = cuda_lost()
-        if lost and "cuda_lost" not in report:
-            report["cuda_lost"] = f"after the check at L = {L}, {dtype_name}, causal={causal}, {gates}: {lost}"
+                lost = lost_after(report, f"the check at L = {L}, {dtype_name}, causal={causal}, {gates}")
         report["check"].append(c)
         print(f"check L={L} {dtype_name} causal={causal} {gates}: {c.get('errors', c.get('error'))}", flush=True)
         save(out, report)
@@ -553,9 +557,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row["results"][impl] = measure(impl, B, args.heads, L, args.dim, args.warmup, args.iters)
             except Exception as e:  # fla missing or refusing: recorded, the rest goes on
                 row["results"][impl] = {"fwd_ms": f"error: {e!r}"[:200]}
-                lost = cuda_lost()
-                if lost:
-                    report["cuda_lost"] = f"after {impl} at L = {L}: {lost}"
+                lost = lost_after(report, f"{impl} at L = {L}")
             if not lost:
                 torch.cuda.empty_cache()
             print(f"L={L} B={B} {impl}: {row['results'][impl]}", flush=True)
@@ -565,9 +567,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             report["feature_map"] = measure_feature_map(args.tokens, args.heads, args.dim, args.warmup, args.iters)
         except Exception as e:
             report["feature_map"] = {"error": repr(e)[:300]}
-            lost = cuda_lost()
-            if lost:
-                report["cuda_lost"] = f"after the feature map's timing: {lost}"
+            lost = lost_after(report, "the feature map's timing")
         print(f"feature map: {report['feature_map']}", flush=True)
         save(out, report)
     root = out / "train"

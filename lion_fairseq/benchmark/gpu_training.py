@@ -23,8 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -93,6 +94,20 @@ def losses(log: str) -> List[float]:
     return [float(e["loss"]) for e in log_entries(log)]
 
 
+@contextmanager
+def lion_backend(name: str) -> Iterator[None]:
+    """Inside the block, ``LION_BACKEND`` is ``name``; afterwards what it was (or unset)."""
+    before = os.environ.get("LION_BACKEND")
+    os.environ["LION_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LION_BACKEND")
+        else:
+            os.environ["LION_BACKEND"] = before
+
+
 def set_form(model: torch.nn.Module, form: str) -> None:
     """Every LION attention of ``model`` computes in ``form`` from now on."""
     from lion_fairseq.modules import LionAttention
@@ -115,16 +130,12 @@ def form_losses(checkpoint: Path, data: Path, length: int, device: str) -> Dict[
     item = task.dataset("valid")[0]
     source, target = item["source"][None].to(device), item["target"][None].to(device)
     out = {}
-    before = os.environ.get("LION_BACKEND")
+    default = os.environ.get("LION_BACKEND") or "torch"
     for form in FORMS:
-        os.environ["LION_BACKEND"] = form.split("-")[1] if "-" in form else (before or "torch")
-        set_form(model, form.split("-")[0])
-        with torch.no_grad():
+        with lion_backend(form.split("-")[1] if "-" in form else default), torch.no_grad():
+            set_form(model, form.split("-")[0])
             logits = model(source)[0].float()
         out[form] = float(torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1)))
-    os.environ.pop("LION_BACKEND")
-    if before is not None:
-        os.environ["LION_BACKEND"] = before
     return out
 
 

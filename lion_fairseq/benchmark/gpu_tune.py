@@ -87,28 +87,16 @@ def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: i
 
     from lion_fairseq.ops import kernel
 
-    from .gpu import compare, outputs, runner, time_ms
+    from .gpu import INPUT_NAMES, compare, outputs, runner, time_ms, timed_calls
 
     q, v = inputs[0], inputs[2]
     cfg = kernel._Config(q, v, 64, None, backward=mode == "fwdbwd")
     row = {"chunk": cfg.C, "segments": cfg.nseg}
-    row.update(compare(outputs(inputs, weight, "triton", False), ref, ["q", "k", "v", "log_a_fwd", "log_a_bwd"],
-                       "bfloat16"))
+    row.update(compare(outputs(inputs, weight, "triton", False), ref, list(INPUT_NAMES), "bfloat16"))
     if not row["ok"]:
         return row
-    run = runner("lion-s-triton")
-    grad_out = torch.randn_like(v)
-
-    def fwd():
-        with torch.no_grad():
-            run(*inputs)
-
-    def fwdbwd():
-        for x in inputs:
-            x.grad = None
-        run(*inputs).backward(grad_out)
-
-    row["ms"] = time_ms(fwd if mode == "fwd" else fwdbwd, warmup, iters, device)
+    row["ms"] = time_ms(timed_calls(runner("lion-s-triton"), inputs, torch.randn_like(v))[mode], warmup, iters,
+                        device)
     return row
 
 
