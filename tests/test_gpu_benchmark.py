@@ -107,7 +107,7 @@ def test_tune_configuration_is_restored_after_an_error():
     before = (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM, json.dumps(kernel.STAGES),
               json.dumps(kernel.PREFETCH))
     with pytest.raises(RuntimeError):
-        with gpu_tune.configured(64, (64, 4), (32, 4), 8, (1, 4), (True, False)):
+        with kernel.configured(64, (64, 4), (32, 4), 8, (1, 4), (True, False)):
             assert kernel.BLOCKS[False][64] == (64, 4) and kernel.BLOCKS[True][64] == (32, 4)
             assert kernel.PROGRAMS_PER_SM == 8 and kernel.STAGES == {False: 1, True: 4}
             assert kernel.PREFETCH == {False: True, True: False}

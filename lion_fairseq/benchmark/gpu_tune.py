@@ -24,9 +24,8 @@ kernel: what to ship is for whoever reads the table to put into ``BLOCKS``, ``ST
 ``PROGRAMS_PER_SM``."""
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 FORWARD = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8))
 BACKWARD = ((16, 4), (16, 8), (32, 4), (32, 8))
@@ -34,48 +33,13 @@ PROGRAMS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)
 
 
-def head_class(D: int) -> int:
-    """The key of ``kernel.BLOCKS`` that head size D falls under."""
-    return 64 if D <= 64 else 128
-
-
-@contextmanager
-def configured(D: int, forward: Optional[Tuple[int, int]] = None, backward: Optional[Tuple[int, int]] = None,
-               programs: Optional[int] = None, stages: Optional[Tuple[int, int]] = None,
-               prefetch: Optional[Tuple[bool, bool]] = None) -> Iterator[None]:
-    """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D,
-    ``programs`` per streaming multiprocessor, (forward, backward) ``stages`` and ``prefetch`` (None: as it
-    ships); afterwards, what it took before."""
-    from lion_fairseq.ops import kernel
-
-    saved = ({pas: dict(by_head) for pas, by_head in kernel.BLOCKS.items()}, kernel.PROGRAMS_PER_SM,
-             dict(kernel.STAGES), dict(kernel.PREFETCH))
-    try:
-        for pas, blocks in ((False, forward), (True, backward)):
-            if blocks is not None:
-                kernel.BLOCKS[pas][head_class(D)] = tuple(blocks)
-        if programs is not None:
-            kernel.PROGRAMS_PER_SM = programs
-        if stages is not None:
-            kernel.STAGES.update({False: stages[0], True: stages[1]})
-        if prefetch is not None:
-            kernel.PREFETCH.update({False: bool(prefetch[0]), True: bool(prefetch[1])})
-        yield
-    finally:
-        for pas, by_head in saved[0].items():
-            kernel.BLOCKS[pas].clear()
-            kernel.BLOCKS[pas].update(by_head)
-        kernel.PROGRAMS_PER_SM = saved[1]
-        kernel.STAGES.update(saved[2])
-        kernel.PREFETCH.update(saved[3])
-
-
 def shipped(D: int) -> Dict:
     """The forward's and backward's (chunk, warps), the programs per SM and the (forward, backward) stages
     and prefetch that the kernel ships with."""
     from lion_fairseq.ops import kernel
 
-    return {"forward": kernel.BLOCKS[False][head_class(D)], "backward": kernel.BLOCKS[True][head_class(D)],
+    head = kernel.head_class(D)
+    return {"forward": kernel.BLOCKS[False][head], "backward": kernel.BLOCKS[True][head],
             "programs": kernel.PROGRAMS_PER_SM, "stages": (kernel.STAGES[False], kernel.STAGES[True]),
             "prefetch": (kernel.PREFETCH[False], kernel.PREFETCH[True])}
 
@@ -107,6 +71,8 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch", "chunk",
     "segments", "ok", "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
     import torch
+
+    from lion_fairseq.ops.kernel import configured
 
     from .gpu import cuda_lost, make_inputs, outputs
 

@@ -59,7 +59,8 @@ past float16's range where a row sum is below eps, as in a padded row) run in fl
 CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products run in float32."""
 import functools
 import os
-from typing import List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -151,19 +152,9 @@ def _gates(ptr, t, valid, stride_l, HAS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _keys(pad, t, valid, stride_l, HAS_PAD: tl.constexpr):
-    """Positions whose key counts: present and not padding."""
-    if HAS_PAD:
-        keep = valid & (tl.load(pad + t * stride_l, mask=valid, other=1) == 0)
-    else:
-        keep = valid
-    return keep
-
-
-@triton.jit
 def _pad_bytes(pad, t, valid, stride_l, C: tl.constexpr, HAS_PAD: tl.constexpr):
     """The key padding mask at positions t (1 where absent), as loaded: a walk that loads the next chunk
-    ahead (``PREFETCH``) must not wait on it, so it is compared only where it is used (``_kept``)."""
+    ahead (``PREFETCH``) must not wait on it, so it is compared only where it is used (``_keep``)."""
     if HAS_PAD:
         x = tl.load(pad + t * stride_l, mask=valid, other=1)
     else:
@@ -172,28 +163,60 @@ def _pad_bytes(pad, t, valid, stride_l, C: tl.constexpr, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _kept(k, valid, padb, HAS_PAD: tl.constexpr):
-    """Positions whose key counts (present and not padding), and the key rows k zeroed elsewhere."""
+def _keep(valid, padb, HAS_PAD: tl.constexpr):
+    """Positions whose key counts: present and not padding (``padb`` from ``_pad_bytes``)."""
     if HAS_PAD:
         keep = valid & (padb == 0)
-        k = tl.where(keep[:, None], k, tl.zeros_like(k))
     else:
         keep = valid
+    return keep
+
+
+@triton.jit
+def _keys(pad, t, valid, stride_l, C: tl.constexpr, HAS_PAD: tl.constexpr):
+    """Positions whose key counts: present and not padding."""
+    return _keep(valid, _pad_bytes(pad, t, valid, stride_l, C, HAS_PAD), HAS_PAD)
+
+
+@triton.jit
+def _kept(k, valid, padb, HAS_PAD: tl.constexpr):
+    """Positions whose key counts (``_keep``), and the key rows k zeroed elsewhere."""
+    keep = _keep(valid, padb, HAS_PAD)
+    if HAS_PAD:
+        k = tl.where(keep[:, None], k, tl.zeros_like(k))
     return keep, k
+
+
+@triton.jit
+def _row_sums(den_ptr, dden_ptr, t, valid, C: tl.constexpr, NORMALIZE: tl.constexpr):
+    """A chunk's float32 row sums d and their gradients dden (from ``_row_grads``), as loaded; zeros
+    without the normaliser."""
+    if NORMALIZE:
+        den = tl.load(den_ptr + t, mask=valid, other=0.0)
+        dden = tl.load(dden_ptr + t, mask=valid, other=0.0)
+    else:
+        den = tl.zeros((C,), tl.float32)
+        dden = tl.zeros((C,), tl.float32)
+    return den, dden
+
+
+@triton.jit
+def _do(dy, den, eps, NORMALIZE: tl.constexpr):
+    """The gradient w.r.t. the unnormalised output, ``do = dy / (d + eps)`` (dy without the normaliser), in
+    float32."""
+    do = dy.to(tl.float32)
+    if NORMALIZE:
+        do = do * (1.0 / (den + eps))[:, None]
+    return do
 
 
 @triton.jit
 def _grad_rows(dy_ptr, den_ptr, dden_ptr, t, valid, sdy_l, Dv, eps, BV: tl.constexpr, C: tl.constexpr,
                NORMALIZE: tl.constexpr):
-    """The gradients w.r.t. the unnormalised output (do) and the row sum (dden, from ``_row_grads``) of a
-    chunk's rows."""
-    do = _rows(dy_ptr, t, valid, sdy_l, Dv, BV).to(tl.float32)
-    if NORMALIZE:
-        do = do * (1.0 / (tl.load(den_ptr + t, mask=valid, other=0.0) + eps))[:, None]
-        dden = tl.load(dden_ptr + t, mask=valid, other=0.0)
-    else:
-        dden = tl.zeros((C,), tl.float32)
-    return do, dden
+    """The gradients w.r.t. the unnormalised output (do) and the row sum (dden) of a chunk's rows."""
+    dy = _rows(dy_ptr, t, valid, sdy_l, Dv, BV)
+    den, dden = _row_sums(den_ptr, dden_ptr, t, valid, C, NORMALIZE)
+    return _do(dy, den, eps, NORMALIZE), dden
 
 
 @triton.jit
@@ -278,7 +301,7 @@ def _segment_sums(X, YV, DY, DDEN, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
                               eps, BV, C, NORMALIZE)
         else:
             g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
-            keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
+            keep = _keys(PAD + b * sp_b, t, valid, sp_l, C, HAS_PAD)
             x = _rows(Xp, t, keep, sx_l, Dk, BK).to(tl.float32)
             y = _rows(YV + b * syv_b + h * syv_h, t, valid, syv_l, Dv, BV)
             w = tl.full((C,), 1.0, tl.float32)  # the normaliser's column of ones (x is 0 at padding)
@@ -323,12 +346,7 @@ def _grad_tiles(Qp, Kp, Vp, DYp, DENp, DDENp, Gp, PADp, c, L, sq_l, sk_l, sv_l, 
         tg, vg = _before(t, valid, L, REVERSE)
     else:
         tg, vg = t, valid
-    if NORMALIZE:
-        den = tl.load(DENp + t, mask=valid, other=0.0)
-        dden = tl.load(DDENp + t, mask=valid, other=0.0)
-    else:
-        den = tl.zeros((C,), tl.float32)
-        dden = tl.zeros((C,), tl.float32)
+    den, dden = _row_sums(DENp, DDENp, t, valid, C, NORMALIZE)
     return (_rows(Qp, t, valid, sq_l, Dk, BK), _rows(Kp, t, valid, sk_l, Dk, BK), _rows(Vp, t, valid, sv_l, Dv, BV),
             _rows(DYp, t, valid, sdy_l, Dv, BV), den, dden, _gates(Gp, tg, vg, sg_l, HAS_GATE, C),
             _pad_bytes(PADp, t, valid, sp_l, C, HAS_PAD))
@@ -420,6 +438,9 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
     Vp = V + b * sv_b + h * sv_h
+    DQp, DQLp = DQ + b * sdq_b + h * sdq_h, DQL + b * sdq_b + h * sdq_h
+    DKp, DKLp = DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h
+    DVp, DVLp = DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h
     idx = bh * tl.num_programs(1) + seg
     if ALONG:
         S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
@@ -453,9 +474,7 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
                 Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sdy_l, sg_l,
                 sp_l, Dk, Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
         keep, k = _kept(k, valid, padb, HAS_PAD)
-        do = dy.to(tl.float32)
-        if NORMALIZE:
-            do = do * (1.0 / (den + eps))[:, None]
+        do = _do(dy, den, eps, NORMALIZE)
         if ALONG:
             hi, lo, read, own, decay = _decays(g)
             W = _in_chunk_decay(hi, lo, C, STRICT, GATE_A)
@@ -464,10 +483,8 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
             dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
             dq = _mm(dA * W, k, GDT, PREC) + dq_in
             if not FIRST:
-                dq += _load_sum(DQ + b * sdq_b + h * sdq_h, DQL + b * sdq_b + h * sdq_h, t, valid, sdq_l, Dk,
-                                BK, LO_IN)
-            _store_sum(DQ + b * sdq_b + h * sdq_h, DQL + b * sdq_b + h * sdq_h, dq, t, valid, sdq_l, Dk, BK,
-                       LO_OUT)
+                dq += _load_sum(DQp, DQLp, t, valid, sdq_l, Dk, BK, LO_IN)
+            _store_sum(DQp, DQLp, dq, t, valid, sdq_l, Dk, BK, LO_OUT)
             if P_SUMS:
                 qf = q.to(tl.float32)
                 P = tl.where(ii > jj, A * dA, 0.0)  # the diagonal crosses no gate
@@ -497,14 +514,10 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
             dk = _mm(dA * W, q, GDT, PREC) + dk_in
             dv = _mm(A, do, GDT, PREC) + read[:, None] * _mm(k, Gs, SDT, PREC)
             if not FIRST:
-                dk += _load_sum(DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h, t, valid, sdk_l, Dk,
-                                BK, LO_IN)
-                dv += _load_sum(DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h, t, valid, sdv_l, Dv,
-                                BV, LO_IN)
-            _store_sum(DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h, tl.where(keep[:, None], dk, 0.0),
-                       t, valid, sdk_l, Dk, BK, LO_OUT)
-            _store_sum(DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h, dv, t, valid, sdv_l, Dv, BV,
-                       LO_OUT)
+                dk += _load_sum(DKp, DKLp, t, valid, sdk_l, Dk, BK, LO_IN)
+                dv += _load_sum(DVp, DVLp, t, valid, sdv_l, Dv, BV, LO_IN)
+            _store_sum(DKp, DKLp, tl.where(keep[:, None], dk, 0.0), t, valid, sdk_l, Dk, BK, LO_OUT)
+            _store_sum(DVp, DVLp, dv, t, valid, sdv_l, Dv, BV, LO_OUT)
             qs = q.to(tl.float32) * own[:, None]
             Gs = decay * Gs + _mm(tl.trans(qs), do, GDT, PREC)
             gz = decay * gz + tl.sum(qs * dden[:, None], 0)
@@ -527,7 +540,7 @@ def _global_apply(Q, K, V, DY, Y, YL, DEN, DDEN, PAD, S0, Z0, G0, GZ0, DQ, DK, D
     S, z = _load_state(S0, Z0, bh, BK, BV, True)
     if GRAD:
         Gs, gz = _load_state(G0, GZ0, bh, BK, BV, True)
-        keep = _keys(PAD + b * sp_b, t, valid, sp_l, HAS_PAD)
+        keep = _keys(PAD + b * sp_b, t, valid, sp_l, C, HAS_PAD)
         k = _rows(K + b * sk_b + h * sk_h, t, keep, sk_l, Dk, BK)
         v = _rows(V + b * sv_b + h * sv_h, t, valid, sv_l, Dv, BV)
         do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv, eps,
@@ -587,6 +600,41 @@ STAGES = {False: 3, True: 3}
 PREFETCH = {False: False, True: False}
 
 
+def head_class(D: int) -> int:
+    """The key of ``BLOCKS`` that a head size (or its block) D falls under."""
+    return 64 if D <= 64 else 128
+
+
+@contextmanager
+def configured(D: int = 64, forward: Optional[Tuple[int, int]] = None, backward: Optional[Tuple[int, int]] = None,
+               programs: Optional[int] = None, stages: Optional[Tuple[int, int]] = None,
+               prefetch: Optional[Tuple[bool, bool]] = None) -> Iterator[None]:
+    """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D,
+    ``programs`` per streaming multiprocessor, (forward, backward) ``stages`` and ``prefetch`` (None: as it
+    ships); afterwards, what it took before. For tuning (``benchmark.gpu_tune``) and compiling
+    (``kernel_targets``) other configurations than the shipped one."""
+    global PROGRAMS_PER_SM
+    saved = ({pas: dict(by_head) for pas, by_head in BLOCKS.items()}, PROGRAMS_PER_SM, dict(STAGES), dict(PREFETCH))
+    try:
+        for pas, blocks in ((False, forward), (True, backward)):
+            if blocks is not None:
+                BLOCKS[pas][head_class(D)] = tuple(blocks)
+        if programs is not None:
+            PROGRAMS_PER_SM = programs
+        if stages is not None:
+            STAGES.update({False: stages[0], True: stages[1]})
+        if prefetch is not None:
+            PREFETCH.update({False: bool(prefetch[0]), True: bool(prefetch[1])})
+        yield
+    finally:
+        for pas, by_head in saved[0].items():
+            BLOCKS[pas].clear()
+            BLOCKS[pas].update(by_head)
+        PROGRAMS_PER_SM = saved[1]
+        STAGES.update(saved[2])
+        PREFETCH.update(saved[3])
+
+
 class _Config:
     """Block sizes, segments and product dtypes of one pass (``backward`` or not) of a call."""
 
@@ -596,7 +644,7 @@ class _Config:
         self.B, self.H, self.L, self.Dk, self.Dv = B, H, L, Dk, v.shape[-1]
         self.BK = max(16, triton.next_power_of_2(Dk))
         self.BV = max(16, triton.next_power_of_2(self.Dv))
-        largest, self.num_warps = BLOCKS[backward][64 if max(self.BK, self.BV) <= 64 else 128]
+        largest, self.num_warps = BLOCKS[backward][head_class(max(self.BK, self.BV))]
         self.num_stages = STAGES[backward]
         if INTERPRETED:  # no registers to spare there, and a step costs the same at any chunk: take fewer steps
             largest = 64

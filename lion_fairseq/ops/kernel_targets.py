@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
@@ -199,15 +199,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
         return 2
-    from . import kernel
+    from .kernel import configured
 
-    saved = dict(kernel.PREFETCH)
-    if args.prefetch:
-        kernel.PREFETCH.update({False: True, True: True})
-    try:
+    with configured(prefetch=(True, True)) if args.prefetch else nullcontext():
         rows = table(args.arch, args.head_dims, [getattr(torch, d) for d in args.dtypes], args.cases, args.tf32)
-    finally:
-        kernel.PREFETCH.update(saved)
     import triton
 
     print(f"Triton {triton.__version__}\n")
