@@ -168,3 +168,21 @@ def test_nan_in_training_reaches_the_loss_and_gradients(text_data_bin):
     loss.backward()
     assert torch.isnan(loss)
     assert not torch.isfinite(model.encoder.sentence_encoder.embed_tokens.weight.grad).all()
+
+
+def test_output_projection_takes_the_16_bit_output_as_it_is_under_autocast():
+    """Under autocast the attention's 16-bit output goes into ``out_proj`` as it is: cast to the float32
+    weights' dtype first, it would make a full-size round trip (to float32, and back by autocast) each
+    forward and backward (``--amp``)."""
+    seen = []
+    for name, layer in layers():
+        if name.startswith("two-scan"):  # its output is float32 by design: the two scans' sum
+            continue
+        attention = getattr(layer, "self_attn", layer)
+        handle = attention.out_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+        x = torch.randn(20, 3, 32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x, None)
+        handle.remove()
+        assert seen.pop() == torch.bfloat16, name
+        out.float().sum().backward()

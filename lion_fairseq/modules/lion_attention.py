@@ -51,6 +51,19 @@ def float32_linear(layer: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x.float(), layer.weight.float(), bias)
 
 
+def linear_input(x: Tensor, layer: nn.Linear) -> Tensor:
+    """``x`` in the dtype that ``layer`` multiplies in: its weights', or as it is where autocast is on
+    for x's device (autocast casts it there, and a cast here would be a full-size round trip, as from
+    16 bits to float32 and back under ``--amp``)."""
+    device = x.device.type
+    try:
+        autocast = torch.is_autocast_enabled(device)
+    except TypeError:  # torch < 2.4 asks per device type
+        autocast = torch.is_autocast_enabled() if device == "cuda" else (
+            device == "cpu" and torch.is_autocast_cpu_enabled())
+    return x if autocast else x.to(layer.weight.dtype)
+
+
 @with_incremental_state
 class LionAttention(nn.Module):
     """LION multi-head attention. ``forward(x)`` maps ``x`` ``(T, B, C)`` to ``(T, B, C)``.
@@ -252,7 +265,7 @@ class LionAttention(nn.Module):
             norm = self.head_norm
             y = F.layer_norm(y.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
         B, H, T, D = y.shape
-        y = y.permute(2, 0, 1, 3).reshape(T, B, H * D).to(self.out_proj.weight.dtype)
+        y = linear_input(y.permute(2, 0, 1, 3).reshape(T, B, H * D), self.out_proj)
         if self.out_gate is not None:
             if x is None:
                 raise ValueError("--lion-output-gate needs the attention's input x")

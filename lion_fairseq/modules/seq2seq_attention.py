@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..ops import memory_state, read_memory
 from .feature_maps import FEATURE_MAPS
-from .lion_attention import DEFAULT_FEATURE_MAP, LionAttention, check_lion_options
+from .lion_attention import DEFAULT_FEATURE_MAP, LionAttention, check_lion_options, linear_input
 
 IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
@@ -82,7 +82,7 @@ class LinearCrossAttention(nn.Module):
         y = read_memory(self.phi(self._heads(self.q_proj(query))), (S, z), normalize=self.normalize, eps=self.eps)
         B, H, T, D = y.shape
         y = y.permute(2, 0, 1, 3).reshape(T, B, H * D)
-        return self.out_proj(y.to(self.out_proj.weight.dtype)), None
+        return self.out_proj(linear_input(y, self.out_proj)), None
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor) -> None:
         """Select beams: the source's state has the batch first."""
