@@ -207,6 +207,30 @@ def test_per_head_gate_gradient_at_long_length(form):
     assert ((got - ref).abs() / ref.abs()).max().item() < 1e-5
 
 
+@pytest.mark.parametrize("gates", ["head", "token"])
+@pytest.mark.parametrize("causal,normalize", [(False, False), (False, True), (True, False)])
+def test_gate_gradients_under_strong_decay(gates, causal, normalize):
+    """Log-gates of -10 and -30 (each token forgets nearly all before it): the gates' gradients within
+    1e-5 of float64 in every form, relative to their largest entry (itself 1e-4 and 1e-12 here). The
+    diagonal crosses no gate; taken into the chunk form's row and column sums, or into the parallel
+    form's mask as F_i - F_i, it cancelled only to its own rounding, which outweighs every other pair:
+    the chunk form's gradients were 1e-3 and 1 off, the parallel form's 1e-2 at -30."""
+    L = 3 * C + 5
+    for log_gate in (-10.0, -30.0):
+        q, k, v, f, bw = make_inputs(L, gates, seed=3)
+        f, bw = log_gate + 0.5 * torch.tanh(f), log_gate + 0.5 * torch.tanh(bw)
+        inputs = [q, k, v, f, bw]
+        weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1))
+        ref_fn = lambda *x: reference_attention(*x, causal=causal, normalize=normalize)  # noqa: E731
+        ref = grads(ref_fn, [x.double() for x in inputs], weight)
+        for form in FORMS:
+            got = grads(lambda *x: lion_attention(*x, form=form, causal=causal, normalize=normalize, chunk_size=C),
+                        inputs, weight)
+            for name, g, r in zip(("log_a_fwd", "log_a_bwd"), got[3:], ref[3:]):
+                if not (causal and name == "log_a_bwd"):
+                    assert rel_err(g, r) < 1e-5, (log_gate, form, name)
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_float64(form, causal):

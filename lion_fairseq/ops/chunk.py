@@ -342,16 +342,15 @@ class _ChunkAttention(torch.autograd.Function):
                 X = torch.mul(A, dA, out=workspace("X", (n, C, C), q.dtype, q.device))  # P_ij inside the chunk
                 if heads is not None:  # pairs inside the chunk cross |i - j| gates of their direction
                     heads[s] += (X.view(n, 1, C * C) @ cross.pair.view(C * C, 2)).view(n, 2)
-                rows, cols = X.sum(-1), X.sum(-2)
-                if grid.bidirectional:
-                    X.tril_()
-                    rows_f, cols_f = X.sum(-1), X.sum(-2)
-                else:
-                    rows_f, cols_f = rows, cols
-                if dcum_f is not None:
-                    dcum_f[s] += rows_f - cols_f
-                if dcum_b is not None:
-                    dcum_b[s] += (cols - cols_f) - (rows - rows_f)
+                # row minus column sums of each direction's pairs, without the diagonal, which crosses no
+                # gate: in both sums it would cancel only to float32's rounding of itself, which under
+                # strong decay outweighs every other pair (relative errors of 1e-3 to 1 at log-gates of -10)
+                if dcum_b is not None:  # the pairs above the diagonal
+                    upper = torch.triu(X, 1, out=workspace("upper", X.shape, q.dtype, q.device))
+                    dcum_b[s] += upper.sum(-2) - upper.sum(-1)
+                if dcum_f is not None:  # and below it
+                    X.tril_(-1)
+                    dcum_f[s] += X.sum(-1) - X.sum(-2)
             if W is not None:
                 dA.mul_(W)
             torch.bmm(dA, ks, out=dq[s])

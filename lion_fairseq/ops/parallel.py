@@ -18,8 +18,9 @@ def log_mask(log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor], L: int, c
         return None
     zero = torch.zeros(1, 1, L, dtype=torch.float64, device=device)
     fwd = (log_a_fwd if log_a_fwd is not None else zero).cumsum(-1)
-    # M_ij = f_{j+1} ... f_i  (i >= j)  = exp(F_i - F_j)
-    out = (fwd[..., :, None] - fwd[..., None, :]).masked_fill(~lower, 0.0)
+    # M_ij = f_{j+1} ... f_i  (i >= j)  = exp(F_i - F_j); the diagonal, 0, is filled in rather than
+    # computed: as F_i - F_i its gradient would reach the gates and cancel only to rounding
+    out = (fwd[..., :, None] - fwd[..., None, :]).masked_fill(~(i[:, None] > i[None, :]), 0.0)
     if causal:
         return out.masked_fill(~lower, float("-inf"))
     # M_ij = b_i ... b_{j-1}  (i < j)  = exp(R_j - R_i), R the exclusive cumulative sum
