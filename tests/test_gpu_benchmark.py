@@ -78,42 +78,46 @@ def test_tune_checks_and_times_each_candidate_then_restores_the_kernel():
     from lion_fairseq.ops import kernel
 
     before = (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM, json.dumps(kernel.STAGES),
-              json.dumps(kernel.PREFETCH))
+              json.dumps(kernel.PREFETCH), json.dumps(kernel.FUSED))
     rows = []
     gpu_tune.sweep(40, 1, 2, 16, 0, 1, lambda: False, rows.append, device="cpu", forward=((16, 4), (32, 8)),
                    backward=((16, 8),), programs=(2,), stages=(2, 3))
-    assert [r["pass"] for r in rows] == ["forward"] * 2 + ["shipped", "backward"] + ["forward stages"] * 2 + [
-        "backward stages"] * 2 + ["forward prefetch"] * 2 + ["backward prefetch"] * 2
+    assert [r["pass"] for r in rows] == ["forward"] * 2 + ["shipped", "backward"] + ["backward fused"] * 2 + [
+        "forward stages"] * 2 + ["backward stages"] * 2 + ["forward prefetch"] * 2 + ["backward prefetch"] * 2
     assert all(r["ok"] and r["ms"] > 0 and r["segments"] == 1 for r in rows), rows
     fastest = min(rows[:2], key=lambda r: r["ms"])["forward"]
-    assert all(r["forward"] == fastest for r in rows[3:]) and [r["stages"] for r in rows[4:6]] == [[2, 3], [3, 3]]
-    assert rows[6]["stages"][0] == min(rows[4:6], key=lambda r: r["ms"])["stages"][0]
-    assert [r["prefetch"] for r in rows[8:]] == [[False, False], [True, False]] + [
-        [min(rows[8:10], key=lambda r: r["ms"])["prefetch"][0], a] for a in (False, True)]
-    assert all(r["stages"] == rows[-1]["stages"] for r in rows[10:])
+    assert all(r["forward"] == fastest for r in rows[3:]) and [r["stages"] for r in rows[6:8]] == [[2, 3], [3, 3]]
+    assert [r["fused"] for r in rows[4:6]] == [False, True]
+    fused = min(rows[3:6], key=lambda r: r["ms"])["fused"]
+    assert all(r["fused"] == fused for r in rows[8:10] + rows[12:])
+    assert rows[8]["stages"][0] == min(rows[6:8], key=lambda r: r["ms"])["stages"][0]
+    assert [r["prefetch"] for r in rows[10:]] == [[False, False], [True, False]] + [
+        [min(rows[10:12], key=lambda r: r["ms"])["prefetch"][0], a] for a in (False, True)]
+    assert all(r["stages"] == rows[-1]["stages"] for r in rows[12:])
     assert (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM, json.dumps(kernel.STAGES),
-            json.dumps(kernel.PREFETCH)) == before
-    skipped = {k: rows[0][k] for k in ("L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch")}
+            json.dumps(kernel.PREFETCH), json.dumps(kernel.FUSED)) == before
+    skipped = {k: rows[0][k] for k in ("L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch",
+                                       "fused")}
     report = {"environment": {"gpu": "none"}, "args": vars(gpu.parse_args(["--out", "x"])),
               "shipped": gpu_tune.shipped(16), "rows": rows + [dict(skipped, skipped="budget")]}
     md = gpu_tune.markdown(report)
-    assert md.count("| 40 | 1 |") == 13 and "L = 40, backward prefetch:" in md
-    assert "| 40 | 1 | forward | (16, 4) | (16, 8) | 2 | (3, 3) | (False, False) | skipped (budget) | | | | |" in md
+    assert md.count("| 40 | 1 |") == 15 and "L = 40, backward prefetch:" in md
+    assert "| 40 | 1 | forward | (16, 4) | (16, 8) | 2 | (3, 3) | (False, False) | True | skipped (budget) | | | | |" in md
 
 
 def test_tune_configuration_is_restored_after_an_error():
     from lion_fairseq.ops import kernel
 
     before = (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM, json.dumps(kernel.STAGES),
-              json.dumps(kernel.PREFETCH))
+              json.dumps(kernel.PREFETCH), json.dumps(kernel.FUSED))
     with pytest.raises(RuntimeError):
-        with kernel.configured(64, (64, 4), (32, 4), 8, (1, 4), (True, False)):
+        with kernel.configured(64, (64, 4), (32, 4), 8, (1, 4), (True, False), not kernel.FUSED[64]):
             assert kernel.BLOCKS[False][64] == (64, 4) and kernel.BLOCKS[True][64] == (32, 4)
             assert kernel.PROGRAMS_PER_SM == 8 and kernel.STAGES == {False: 1, True: 4}
-            assert kernel.PREFETCH == {False: True, True: False}
+            assert kernel.PREFETCH == {False: True, True: False} and kernel.FUSED[64] != json.loads(before[4])["64"]
             raise RuntimeError("a candidate that fails")
     assert (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM, json.dumps(kernel.STAGES),
-            json.dumps(kernel.PREFETCH)) == before
+            json.dumps(kernel.PREFETCH), json.dumps(kernel.FUSED)) == before
 
 
 @needs_kernel
@@ -126,12 +130,14 @@ def test_feature_map_timing_restores_the_backend(monkeypatch):
 def test_kernel_cost_counts_both_walks():
     """Gated, the forward is two walks of four products (2 C D or 2 D^2 per token each) and the segments'
     sums; without gates, the sums and one read of the total state. Before a backward the forward also keeps
-    y's second half; the backward reads dy and y's pair once for dden, its four launches each read q, k, v
-    and dy, and dq, dk, dv are each a pair written, read, and a row written."""
+    y's second half; the backward reads dy and y's pair once for dden, its launches (two fused, else four)
+    each read q, k, v and dy, and dq, dk, dv are each a pair written, read, and a row written."""
     gated = gpu.kernel_cost(1, 1, 1, 64, "token", "fwd", chunks=(64, 16))
     assert gated["flops"] == 2 * (4 * 64 * 64 + 4 * 64 * 64) + 4 * 64 * 64
     fwd, both = (gpu.kernel_cost(1, 1, 1, 64, "token", m, segments=False) for m in ("fwd", "fwdbwd"))
-    assert both["bytes"] - fwd["bytes"] == (1 + 3 + 4 * 4 + 3 * 5) * 64 * 2 + 48
+    assert both["bytes"] - fwd["bytes"] == (1 + 3 + 2 * 4 + 3 * 5) * 64 * 2 + 32
+    split = gpu.kernel_cost(1, 1, 1, 64, "token", "fwdbwd", segments=False, fused=False)
+    assert split["bytes"] - both["bytes"] == 2 * 4 * 64 * 2 + 16 and split["flops"] == both["flops"]
     assert fwd["bytes"] == (6 + 2 * 2 + 1) * 64 * 2 + 12
     # float32 sums need no second half
     assert gpu.kernel_cost(1, 1, 1, 64, "token", "fwd", segments=False, in_bytes=4)["bytes"] == 9 * 64 * 4 + 12
@@ -301,11 +307,11 @@ def test_a_fault_while_timing_stops_the_timings_after_it(tmp_path, stubbed, monk
 def test_tune_run_writes_its_table_at_each_length(tmp_path, stubbed, monkeypatch):
     def sweep(L, B, H, D, warmup, iters, over, record):
         record({"L": L, "B": B, "pass": "shipped", "forward": [32, 8], "backward": [16, 8], "programs": 4,
-                "stages": [3, 3], "prefetch": [False, False], "chunk": 32, "segments": 1, "ok": True, "errors": {"values": 0.0, "dq": 0.0},
+                "stages": [3, 3], "prefetch": [False, False], "fused": True, "chunk": 32, "segments": 1, "ok": True, "errors": {"values": 0.0, "dq": 0.0},
                 "ms": 1.0})
 
     monkeypatch.setattr(gpu_tune, "sweep", sweep)
     assert gpu.main(["--out", str(tmp_path), "--tune", "--tune-lengths", "1024,4096"]) == 0
     md = (tmp_path / "tune.md").read_text()
-    assert "| 1024 | 32 | shipped | (32, 8) | (16, 8) | 4 | (3, 3) | (False, False) | 1 | 1.000 |" in md and "| 4096 | 8 | shipped |" in md
+    assert "| 1024 | 32 | shipped | (32, 8) | (16, 8) | 4 | (3, 3) | (False, False) | True | 1 | 1.000 |" in md and "| 4096 | 8 | shipped |" in md
     assert not (tmp_path / "gpu.md").exists() and not [c for c in stubbed if c[0] == "train"]

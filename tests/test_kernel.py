@@ -252,6 +252,37 @@ def test_prefetch_changes_no_value(gates, causal, dtype, monkeypatch):
         assert (a is None) == (r is None) and (r is None or torch.equal(a, r))
 
 
+@pytest.mark.parametrize("gates,dtype", [("token", torch.float16), ("head", torch.bfloat16)])
+def test_fused_backward_changes_no_value(gates, dtype, monkeypatch):
+    """A bidirectional backward that walks each way once with both of its parts (``kernel.FUSED``, two
+    launches; 16-bit inputs) gives the values and gradients of one launch per part (four), bit for bit,
+    with padding on both sides and several segments."""
+    from lion_fairseq.ops import kernel as kmod
+
+    inputs = make_inputs(70, gates, D=16, seed=6, dtype=torch.float32)
+    inputs = [x.to(dtype) for x in inputs[:3]] + inputs[3:]
+    weight = torch.randn(B, H, 70, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    run = lambda *x: kernel(*x, key_padding_mask=padding(70), segment_chunks=2)  # noqa: E731
+    walk, launches = kmod._backward_walk, []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches[-1] += 1
+            return walk[grid]
+
+    monkeypatch.setattr(kmod, "_backward_walk", Counted())
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(kmod, "FUSED", {64: fused, 128: fused})
+        launches.append(0)
+        results.append(value_and_grads(run, inputs, weight))
+    assert launches == [4, 2]
+    (y, g), (y_fused, g_fused) = results
+    assert torch.equal(y, y_fused)
+    for a, r in zip(g_fused, g):
+        assert (a is None) == (r is None) and (r is None or torch.equal(a, r))
+
+
 def test_rows_beyond_32_bit_offsets_are_copied():
     """The kernel adds row offsets in 32 bits: a view of fairseq's layout whose rows reach 2^31 elements
     (64 x 12 heads x 64 at L = 65536) is read from a contiguous copy, one within reach in place."""

@@ -255,7 +255,7 @@ def peak_mib(fn: Callable, device: str = "cuda") -> Optional[float]:
 
 
 def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: Tuple[int, int] = (32, 16),
-                segments: bool = True, in_bytes: int = 2) -> Dict[str, float]:
+                segments: bool = True, in_bytes: int = 2, fused: bool = True) -> Dict[str, float]:
     """An estimate, counted from ``ops/kernel.py``, of one bidirectional normalised call: FLOPs (2 per
     multiply-add, matmuls only) and bytes moved (each launch reads its chunk's rows once; no cache reuse
     across launches is assumed). Per token and head, with Dk = Dv = D and chunks of ``chunks`` = (C forward,
@@ -267,16 +267,18 @@ def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: T
       y is written by the first walk, read and written by the second (pairs, the second's only where a
       backward follows), and the float32 row sums written twice, read once;
     - forward, no gates: the sums ``k^T v`` and one ``q S``; reads k, v, q once, writes y once;
-    - backward, gated: ``dden`` from dy and y; per walk, one launch along (``q k^T``, ``do v^T``,
-      ``dA k``: three C x C products; two state products) and one against (four C x C products, three
-      state products), plus the segments' sums of both states; each launch reads q, k, v, dy and two
-      float32 row values; dq, dk, dv are each written by two launches, the second adding to the first's pair;
+    - backward, gated: ``dden`` from dy and y; per walk, its part along (``q k^T``, ``do v^T``, ``dA k``:
+      three C x C products; two state products) and its part against (four C x C products, three state
+      products), one launch (``fused``, the kernel's ``FUSED``) or one launch each, plus the segments' sums
+      of both states; each launch reads q, k, v, dy and two float32 row values; dq, dk, dv are each
+      written by two launches, the second adding to the first's pair;
     - backward, no gates: ``dden``, the queries' sums and three state products; reads q, k, v, dy once, and
       writes dq, dk, dv once."""
     tokens = B * H * L
     row = D * in_bytes
     pair = 1 + (in_bytes < 4)  # rows per stored sum that is read again
     c_fwd, c_bwd = chunks
+    launches = 2 if fused else 4  # of the gated backward's walks
     if gates == "none":
         flops = {"fwd": 4 * D * D, "bwd": 10 * D * D}
         io = {"fwd": 4 * row + 4, "bwd": (9 + pair) * row + 24}
@@ -284,8 +286,8 @@ def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: T
         sums = 2 * 2 * D * D if segments else 0
         flops = {"fwd": 2 * (4 * c_fwd * D + 4 * D * D) + sums, "bwd": 2 * (14 * c_bwd * D + 10 * D * D) + 2 * sums}
         io = {"fwd": (6 + (4 if segments else 0) + 2 * pair + 1) * row + 12,
-              "bwd": ((1 + pair) + 4 * 4 + 3 * (1 + 2 * pair) + (8 if segments else 0)) * row + 8 + 4 * 8 +
-                     (16 if segments else 0) + 8}
+              "bwd": ((1 + pair) + launches * 4 + 3 * (1 + 2 * pair) + (8 if segments else 0)) * row + 8 +
+                     launches * 8 + (16 if segments else 0) + 8}
     y_kept = (pair - 1) * row  # the second half of y's pair, written where a backward will read it
     if mode == "fwdbwd":
         return {"flops": tokens * (flops["fwd"] + flops["bwd"]),
@@ -336,9 +338,10 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, 
         except torch.cuda.OutOfMemoryError:
             result[f"{mode}_ms"] = result[f"{mode}_mib"] = "OOM"
         if impl.endswith("triton") and isinstance(result[f"{mode}_ms"], float):
-            from lion_fairseq.ops.kernel import cuts_into_segments
+            from lion_fairseq.ops.kernel import FUSED, cuts_into_segments, head_class
 
-            cost = kernel_cost(B, H, L, D, gates_of(impl), mode, segments=cuts_into_segments(inputs[0], inputs[2]))
+            cost = kernel_cost(B, H, L, D, gates_of(impl), mode, segments=cuts_into_segments(inputs[0], inputs[2]),
+                               fused=FUSED[head_class(D)])
             result[f"{mode}_tflops"] = cost["flops"] / result[f"{mode}_ms"] / 1e9
             result[f"{mode}_gbps"] = cost["bytes"] / result[f"{mode}_ms"] / 1e6
         if device == "cuda":

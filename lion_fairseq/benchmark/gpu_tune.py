@@ -2,16 +2,17 @@
 
 The kernel takes its chunk size and warps from ``kernel.BLOCKS`` (by head size, forward and backward), its
 loops' pipelining stages from ``kernel.STAGES``, whether its walks load the next chunk ahead from
-``kernel.PREFETCH``, and cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM``
+``kernel.PREFETCH``, whether a bidirectional backward does both of its parts in one walk each way from
+``kernel.FUSED``, and cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM``
 programs per streaming multiprocessor. They were chosen without a GPU (the largest chunk that spills no
-registers on sm_90; Triton's default stages; no prefetch). This times LION-S (per-token
+registers on sm_90; Triton's default stages; no prefetch; fused where that spills little). This times LION-S (per-token
 gates; bf16, the benchmark's heads, head size and tokens per batch) at each ``--tune-lengths`` L over the
 candidates:
 
 1. the forward's (chunk, warps) in ``FORWARD`` times ``PROGRAMS``, timed forward only (inference);
 2. the kernel as it ships, forward+backward, for the comparison;
 3. with the fastest forward's, the backward's (chunk, warps) in ``BACKWARD`` times ``PROGRAMS``, timed
-   forward+backward;
+   forward+backward; then at the fastest of those programs, ``BACKWARD`` fused and not;
 4. with the fastest of each, the forward's stages in ``STAGES`` (timed forward), then the backward's
    (forward+backward);
 5. with the fastest of those, the forward walks loading ahead (timed forward), then the backward's
@@ -20,8 +21,8 @@ candidates:
 Every candidate first computes values and gradients once, compared with the PyTorch chunk form on the same
 inputs (``gpu.compare``, bf16 tolerances): a fast configuration that is wrong is reported as such, not
 chosen. Writes ``tune.md`` and ``tune.json`` into ``--out`` after every candidate. It changes nothing in the
-kernel: what to ship is for whoever reads the table to put into ``BLOCKS``, ``STAGES``, ``PREFETCH`` and
-``PROGRAMS_PER_SM``."""
+kernel: what to ship is for whoever reads the table to put into ``BLOCKS``, ``STAGES``, ``PREFETCH``,
+``FUSED`` and ``PROGRAMS_PER_SM``."""
 import json
 import time
 from pathlib import Path
@@ -34,14 +35,14 @@ STAGES = (1, 2, 3, 4)
 
 
 def shipped(D: int) -> Dict:
-    """The forward's and backward's (chunk, warps), the programs per SM and the (forward, backward) stages
-    and prefetch that the kernel ships with."""
+    """The forward's and backward's (chunk, warps), the programs per SM, the (forward, backward) stages
+    and prefetch, and whether the backward is fused, as the kernel ships at head size D."""
     from lion_fairseq.ops import kernel
 
     head = kernel.head_class(D)
     return {"forward": kernel.BLOCKS[False][head], "backward": kernel.BLOCKS[True][head],
             "programs": kernel.PROGRAMS_PER_SM, "stages": (kernel.STAGES[False], kernel.STAGES[True]),
-            "prefetch": (kernel.PREFETCH[False], kernel.PREFETCH[True])}
+            "prefetch": (kernel.PREFETCH[False], kernel.PREFETCH[True]), "fused": kernel.FUSED[head]}
 
 
 def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: int, device: str) -> Dict:
@@ -68,8 +69,8 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
           record: Callable[[Dict], None], device: str = "cuda", forward: Tuple = FORWARD,
           backward: Tuple = BACKWARD, programs: Tuple = PROGRAMS, stages: Tuple = STAGES) -> None:
     """The passes of the tuning at one L (see the module's docstring); each row goes to ``record`` as it
-    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch", "chunk",
-    "segments", "ok", "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
+    is measured: ``{"L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch", "fused",
+    "chunk", "segments", "ok", "errors", "ms"}``, or ``"skipped"`` once ``over()``."""
     import torch
 
     from lion_fairseq.ops.kernel import configured
@@ -82,14 +83,15 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     ships = shipped(D)
     lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
 
-    def one(pas: str, fwd, bwd, progs: int, st=ships["stages"], ahead=ships["prefetch"]) -> Optional[Dict]:
+    def one(pas: str, fwd, bwd, progs: int, st=ships["stages"], ahead=ships["prefetch"],
+            fused=ships["fused"]) -> Optional[Dict]:
         row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs,
-               "stages": list(st), "prefetch": list(ahead)}
+               "stages": list(st), "prefetch": list(ahead), "fused": fused}
         if over() or lost:
             row["skipped"] = "budget" if not lost else "CUDA context lost"
         else:
             try:
-                with configured(D, fwd, bwd, progs, st, ahead):
+                with configured(D, fwd, bwd, progs, st, ahead, fused):
                     row.update(candidate(inputs, weight, ref, "fwd" if pas.startswith("forward") else "fwdbwd",
                                          warmup, iters, device))
             except Exception as e:  # one candidate that does not compile or run: recorded, the rest goes on
@@ -109,14 +111,17 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     f = fastest([one("forward", c, ships["backward"], p) for p in programs for c in forward], ships)
     one("shipped", ships["forward"], ships["backward"], ships["programs"])
     b = fastest([one("backward", f["forward"], c, p) for p in programs for c in backward], ships)
+    b = fastest([one("backward fused", f["forward"], c, b["programs"], fused=u) for u in (False, True)
+                 for c in backward], b)
     fs = fastest([one("forward stages", f["forward"], ships["backward"], f["programs"], (n, ships["stages"][1]))
                   for n in stages], {"stages": ships["stages"]})["stages"][0]
-    bs = fastest([one("backward stages", f["forward"], b["backward"], b["programs"], (fs, n)) for n in stages],
-                 {"stages": ships["stages"]})["stages"][1]
+    bs = fastest([one("backward stages", f["forward"], b["backward"], b["programs"], (fs, n), fused=b["fused"])
+                  for n in stages], {"stages": ships["stages"]})["stages"][1]
     fa = fastest([one("forward prefetch", f["forward"], ships["backward"], f["programs"], (fs, ships["stages"][1]),
                       (a, ships["prefetch"][1])) for a in (False, True)], {"prefetch": ships["prefetch"]})
     for a in (False, True):
-        one("backward prefetch", f["forward"], b["backward"], b["programs"], (fs, bs), (fa["prefetch"][0], a))
+        one("backward prefetch", f["forward"], b["backward"], b["programs"], (fs, bs), (fa["prefetch"][0], a),
+            b["fused"])
 
 
 def best_rows(rows: List[Dict]) -> List[Dict]:
@@ -137,13 +142,14 @@ def markdown(report: Dict) -> str:
              "'forward' time the forward alone; the others time forward+backward. The kernel ships with forward "
              f"{tuple(report['shipped']['forward'])}, backward {tuple(report['shipped']['backward'])} (chunk, "
              f"warps), {report['shipped']['programs']} programs per SM, (forward, backward) stages "
-             f"{tuple(report['shipped']['stages'])} and prefetch {tuple(report['shipped']['prefetch'])}.", "",
+             f"{tuple(report['shipped']['stages'])}, prefetch {tuple(report['shipped']['prefetch'])} and fused "
+             f"backward {report['shipped']['fused']}.", "",
              "| L | B | pass | forward (chunk, warps) | backward (chunk, warps) | programs per SM | stages | prefetch "
-             "| segments | ms | values error | worst gradient error | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fused | segments | ms | values error | worst gradient error | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         head = (f"| {r['L']} | {r['B']} | {r['pass']} | {tuple(r['forward'])} | {tuple(r['backward'])} | "
-                f"{r['programs']} | {tuple(r['stages'])} | {tuple(r['prefetch'])} |")
+                f"{r['programs']} | {tuple(r['stages'])} | {tuple(r['prefetch'])} | {r['fused']} |")
         if "skipped" in r or "error" in r:
             lines.append(f"{head} {r.get('error') or 'skipped (' + r['skipped'] + ')'} | | | | |")
             continue
@@ -157,8 +163,8 @@ def markdown(report: Dict) -> str:
     lines += ["", "Fastest that agree, by L and pass:", ""]
     for r in best_rows(report["rows"]):
         lines.append(f"- L = {r['L']}, {r['pass']}: forward {tuple(r['forward'])}, backward {tuple(r['backward'])}, "
-                     f"{r['programs']} programs per SM, stages {tuple(r['stages'])}, prefetch {tuple(r['prefetch'])}: "
-                     f"{r['ms']:.3f} ms")
+                     f"{r['programs']} programs per SM, stages {tuple(r['stages'])}, prefetch {tuple(r['prefetch'])}, "
+                     f"fused {r['fused']}: {r['ms']:.3f} ms")
     return "\n".join(lines) + "\n"
 
 

@@ -42,8 +42,10 @@ two parts: along, it carries the state of the direction it walks along and write
 of dq (in the chunk and from the state); against, it carries the state ``G`` of the direction it walks
 against and writes that direction's part of dk and dv (in the chunk, from the transposed scores, and from
 G). That direction's mask in the walk's frame has the gates of the neighbouring position
-(``log_a_bwd[t-1]`` walking right, ``log_a_fwd[t+1]`` walking left). Each gradient is written by two
-launches, one per direction, and the second adds to the first's pair.
+(``log_a_bwd[t-1]`` walking right, ``log_a_fwd[t+1]`` walking left). A walk's two parts run from the
+same tiles in one launch (``FUSED``: two launches in all, each reading q, k, v and dy once) or in one
+launch each (four). Each gradient is written by two launches, one per direction, and the second adds to
+the first's pair.
 
 Gate gradients: ``d loss / d log g_t = sum_{j < t <= i} P_ij`` with ``P_ij = M_ij (q_i . k_j) dA_ij``.
 Per-token gates take it as a suffix sum of (row sum - column sum) of P, as the PyTorch chunk form does.
@@ -336,20 +338,18 @@ def _walk_tiles(Qp, Kp, Vp, Gp, PADp, c, L, sq_l, sk_l, sv_l, sg_l, sp_l, Dk, Dv
 
 
 @triton.jit
-def _grad_tiles(Qp, Kp, Vp, DYp, DENp, DDENp, Gp, PADp, c, L, sq_l, sk_l, sv_l, sdy_l, sg_l, sp_l, Dk, Dv,
-                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr, SHIFT: tl.constexpr,
-                HAS_GATE: tl.constexpr, HAS_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Chunk c's q, k, v, dy rows, row sums and their gradients, gates (``SHIFT``: of the frame's previous
-    position) and padding, as loaded, for a backward walk."""
+def _grad_tiles(Qp, Kp, Vp, DYp, DENp, DDENp, GAp, GBp, PADp, c, L, sq_l, sk_l, sv_l, sdy_l, sga_l, sgb_l, sp_l,
+                Dk, Dv, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Chunk c's q, k, v, dy rows, row sums and their gradients, the gates walked along (at each position,
+    where ``HAS_A``) and against (at the frame's previous position, where ``HAS_B``) and the padding, as
+    loaded, for a backward walk."""
     p, valid, t = _positions(c, L, C, REVERSE)
-    if SHIFT:
-        tg, vg = _before(t, valid, L, REVERSE)
-    else:
-        tg, vg = t, valid
+    tp, vp = _before(t, valid, L, REVERSE)
     den, dden = _row_sums(DENp, DDENp, t, valid, C, NORMALIZE)
     return (_rows(Qp, t, valid, sq_l, Dk, BK), _rows(Kp, t, valid, sk_l, Dk, BK), _rows(Vp, t, valid, sv_l, Dv, BV),
-            _rows(DYp, t, valid, sdy_l, Dv, BV), den, dden, _gates(Gp, tg, vg, sg_l, HAS_GATE, C),
-            _pad_bytes(PADp, t, valid, sp_l, C, HAS_PAD))
+            _rows(DYp, t, valid, sdy_l, Dv, BV), den, dden, _gates(GAp, t, valid, sga_l, HAS_A, C),
+            _gates(GBp, tp, vp, sgb_l, HAS_B, C), _pad_bytes(PADp, t, valid, sp_l, C, HAS_PAD))
 
 
 @triton.jit
@@ -417,23 +417,25 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
                    sdq_b, sdq_h, sdq_l, sdk_b, sdk_h, sdk_l, sdv_b, sdv_h, sdv_l,
                    sga_b, sga_h, sga_l, sgb_b, sgb_h, sgb_l, sp_b, sp_l, L, H, Dk, Dv, seg_chunks, eps,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
-                   STRICT: tl.constexpr, ALONG: tl.constexpr, GATE_A: tl.constexpr, GATE_B: tl.constexpr,
+                   ALONG: tl.constexpr, AGAINST: tl.constexpr, GATE_A: tl.constexpr, GATE_B: tl.constexpr,
                    HAS_PAD: tl.constexpr, S_IN: tl.constexpr, M_IN: tl.constexpr, G_IN: tl.constexpr,
                    NORMALIZE: tl.constexpr, DCUM_A: tl.constexpr, DCUM_B: tl.constexpr, MOMENTS: tl.constexpr,
                    P_SUMS: tl.constexpr, FIRST: tl.constexpr, LO_IN: tl.constexpr, LO_OUT: tl.constexpr,
                    DT: tl.constexpr, SDT: tl.constexpr, GDT: tl.constexpr, PREC: tl.constexpr,
                    PREFETCH: tl.constexpr):
-    """One direction's gradients over one segment, one of two parts, each a launch of its own. ``ALONG``:
-    the direction walked along (gates GA): dq, in the chunk and from the state S, and the gate sums;
-    otherwise the one walked against (gates GB, read at the previous position): dk and dv, in the chunk
-    (``STRICT``: without the diagonal) and from the state G of the queries of earlier chunks. ``FIRST``:
-    the first part of its kind, else what is in DQ (or DK, DV) is added to; those are float32 sums kept
-    as pairs with DQL (DKL, DVL) (``_store_sum``): read when ``LO_IN``, written when ``LO_OUT``. GDT: the
-    dtype of the products with do (float16's range is too small for do = dy / (d + eps) where d is small,
-    as in a padded row). RCA, RCB: row minus column sums of P per position (per-token gates), MOM: the
-    per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first two is
-    wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else zero).
-    ``PREFETCH``: as in ``_forward_walk``."""
+    """One walk's gradients over one segment: one of its two parts or both (``ALONG``, ``AGAINST``), from
+    the same tiles. ``ALONG``: the direction walked along (gates GA where ``GATE_A``): dq, in the chunk and
+    from the state S, and the gate sums. ``AGAINST``: the one walked against (gates GB where ``GATE_B``,
+    read at the previous position): dk and dv, in the chunk and from the state G of the queries of
+    earlier chunks. The forward direction keeps the diagonal in the chunk, the backward one leaves it out:
+    walking right (``REVERSE`` false) the part along keeps it, walking left the part against. ``FIRST``:
+    the first launch to write these gradients, else what is in DQ (DK, DV) is added to; those are float32
+    sums kept as pairs with DQL (DKL, DVL) (``_store_sum``): read when ``LO_IN``, written when ``LO_OUT``.
+    GDT: the dtype of the products with do (float16's range is too small for do = dy / (d + eps) where d
+    is small, as in a padded row). RCA, RCB: row minus column sums of P per position (per-token gates),
+    MOM: the per-head gate's gradient of the segment (along direction); ``P_SUMS``: either of the first
+    two is wanted. ``S_IN``, ``M_IN``, ``G_IN``: the segment's entering states S, S', G are read (else
+    zero). ``PREFETCH``: as in ``_forward_walk``."""
     bh, seg, b, h = _program(H)
     Qp = Q + b * sq_b + h * sq_h
     Kp = K + b * sk_b + h * sk_h
@@ -442,42 +444,38 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
     DKp, DKLp = DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h
     DVp, DVLp = DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h
     idx = bh * tl.num_programs(1) + seg
-    if ALONG:
-        S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
-        S1, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN)
-    else:
-        Gs, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN)
+    S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
+    S1, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN)
+    Gs, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN)
     ii = tl.arange(0, C)[:, None]
     jj = tl.arange(0, C)[None, :]
     pos = tl.arange(0, C).to(tl.float32)
     mom = tl.zeros((C,), tl.float32)
     DYp = DY + b * sdy_b + h * sdy_h
     PADp = PAD + b * sp_b
-    if ALONG:  # the gates of this walk's direction, at each position
-        Gp, sg_l, HAS_G = GA + b * sga_b + h * sga_h, sga_l, GATE_A
-    else:  # the other direction's, at the frame's previous position
-        Gp, sg_l, HAS_G = GB + b * sgb_b + h * sgb_h, sgb_l, GATE_B
+    GAp = GA + b * sga_b + h * sga_h  # the gates of this walk's direction, at each position
+    GBp = GB + b * sgb_b + h * sgb_h  # the other direction's, at the frame's previous position
     c0 = seg * seg_chunks
     if PREFETCH:
-        qn, kn, vn, dyn, denn, ddenn, gn, padn = _grad_tiles(
-            Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0, L, sq_l, sk_l, sv_l, sdy_l, sg_l, sp_l, Dk,
-            Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
+        qn, kn, vn, dyn, denn, ddenn, gan, gbn, padn = _grad_tiles(
+            Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, GAp, GBp, PADp, c0, L, sq_l, sk_l, sv_l, sdy_l, sga_l,
+            sgb_l, sp_l, Dk, Dv, C, BK, BV, REVERSE, GATE_A, GATE_B, HAS_PAD, NORMALIZE)
     for i in range(seg_chunks):
         p, valid, t = _positions(c0 + i, L, C, REVERSE)
         if PREFETCH:
-            q, k, v, dy, den, dden, g, padb = qn, kn, vn, dyn, denn, ddenn, gn, padn
-            qn, kn, vn, dyn, denn, ddenn, gn, padn = _grad_tiles(
-                Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0 + i + 1, L, sq_l, sk_l, sv_l, sdy_l, sg_l,
-                sp_l, Dk, Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
+            q, k, v, dy, den, dden, ga, gb, padb = qn, kn, vn, dyn, denn, ddenn, gan, gbn, padn
+            qn, kn, vn, dyn, denn, ddenn, gan, gbn, padn = _grad_tiles(
+                Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, GAp, GBp, PADp, c0 + i + 1, L, sq_l, sk_l, sv_l, sdy_l,
+                sga_l, sgb_l, sp_l, Dk, Dv, C, BK, BV, REVERSE, GATE_A, GATE_B, HAS_PAD, NORMALIZE)
         else:
-            q, k, v, dy, den, dden, g, padb = _grad_tiles(
-                Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, Gp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sdy_l, sg_l,
-                sp_l, Dk, Dv, C, BK, BV, REVERSE, not ALONG, HAS_G, HAS_PAD, NORMALIZE)
+            q, k, v, dy, den, dden, ga, gb, padb = _grad_tiles(
+                Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, GAp, GBp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sdy_l,
+                sga_l, sgb_l, sp_l, Dk, Dv, C, BK, BV, REVERSE, GATE_A, GATE_B, HAS_PAD, NORMALIZE)
         keep, k = _kept(k, valid, padb, HAS_PAD)
         do = _do(dy, den, eps, NORMALIZE)
         if ALONG:
-            hi, lo, read, own, decay = _decays(g)
-            W = _in_chunk_decay(hi, lo, C, STRICT, GATE_A)
+            hi, lo, read, own, decay = _decays(ga)
+            W = _in_chunk_decay(hi, lo, C, REVERSE, GATE_A)
             A = _mm(q, tl.trans(k), DT, PREC) * W
             dA = _mm(do, tl.trans(v), GDT, PREC) + dden[:, None]
             dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
@@ -501,11 +499,11 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
                 z1 = decay * (z1 + C * z) + tl.sum(kd, 0)
             S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
             z = decay * z + tl.sum(ks, 0)
-        else:
-            hi, lo, read, own, decay = _decays(g)
+        if AGAINST:
+            hi, lo, read, own, decay = _decays(gb)
             # in the chunk, keys j (rows) read queries i <= j (columns) of this frame: the transpose of
             # what the other walk's along part computes for dq
-            W = _in_chunk_decay(hi, lo, C, STRICT, GATE_B)
+            W = _in_chunk_decay(hi, lo, C, not REVERSE, GATE_B)
             A = _mm(k, tl.trans(q), DT, PREC) * W
             dA = _mm(v, tl.trans(do), GDT, PREC) + dden[None, :]
             dk_in = read[:, None] * (_mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :])
@@ -598,6 +596,11 @@ STAGES = {False: 3, True: 3}
 # whether the walks load the next chunk's tiles before computing their own, forward and backward (no
 # registers spilled either way on sm_90 at D <= 64; not yet timed on a GPU)
 PREFETCH = {False: False, True: False}
+# whether a bidirectional backward walks each way once with both of its parts (two launches), by head
+# class, instead of once per part (four launches, each reading q, k, v and dy again): ``_backward_passes``.
+# Compiled for sm_90 at the backward's (16, 8) with 16-bit inputs, fused walks spill at most 48 bytes a
+# thread (bf16) and 240 (fp16) at D <= 64, and more than split ones at D = 128 (kernel_targets)
+FUSED = {64: True, 128: False}
 
 
 def head_class(D: int) -> int:
@@ -608,13 +611,14 @@ def head_class(D: int) -> int:
 @contextmanager
 def configured(D: int = 64, forward: Optional[Tuple[int, int]] = None, backward: Optional[Tuple[int, int]] = None,
                programs: Optional[int] = None, stages: Optional[Tuple[int, int]] = None,
-               prefetch: Optional[Tuple[bool, bool]] = None) -> Iterator[None]:
+               prefetch: Optional[Tuple[bool, bool]] = None, fused: Optional[bool] = None) -> Iterator[None]:
     """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D,
-    ``programs`` per streaming multiprocessor, (forward, backward) ``stages`` and ``prefetch`` (None: as it
-    ships); afterwards, what it took before. For tuning (``benchmark.gpu_tune``) and compiling
+    ``programs`` per streaming multiprocessor, (forward, backward) ``stages`` and ``prefetch``, and
+    ``fused`` backward walks at head size D (None: as it ships); afterwards, what it took before. For tuning (``benchmark.gpu_tune``) and compiling
     (``kernel_targets``) other configurations than the shipped one."""
     global PROGRAMS_PER_SM
-    saved = ({pas: dict(by_head) for pas, by_head in BLOCKS.items()}, PROGRAMS_PER_SM, dict(STAGES), dict(PREFETCH))
+    saved = ({pas: dict(by_head) for pas, by_head in BLOCKS.items()}, PROGRAMS_PER_SM, dict(STAGES), dict(PREFETCH),
+             dict(FUSED))
     try:
         for pas, blocks in ((False, forward), (True, backward)):
             if blocks is not None:
@@ -625,6 +629,8 @@ def configured(D: int = 64, forward: Optional[Tuple[int, int]] = None, backward:
             STAGES.update({False: stages[0], True: stages[1]})
         if prefetch is not None:
             PREFETCH.update({False: bool(prefetch[0]), True: bool(prefetch[1])})
+        if fused is not None:
+            FUSED[head_class(D)] = bool(fused)
         yield
     finally:
         for pas, by_head in saved[0].items():
@@ -633,6 +639,7 @@ def configured(D: int = 64, forward: Optional[Tuple[int, int]] = None, backward:
         PROGRAMS_PER_SM = saved[1]
         STAGES.update(saved[2])
         PREFETCH.update(saved[3])
+        FUSED.update(saved[4])
 
 
 class _Config:
@@ -646,6 +653,8 @@ class _Config:
         self.BV = max(16, triton.next_power_of_2(self.Dv))
         largest, self.num_warps = BLOCKS[backward][head_class(max(self.BK, self.BV))]
         self.num_stages = STAGES[backward]
+        # float32 inputs' three-product dots spill 0.7 KB a thread in a fused walk on sm_90 (kernel_targets)
+        self.fused = FUSED[head_class(max(self.BK, self.BV))] and q.dtype != torch.float32
         if INTERPRETED:  # no registers to spare there, and a step costs the same at any chunk: take fewer steps
             largest = 64
         # chunks are a power of two for tl.arange and at least 16 for tl.dot; the C x C temporaries and the
@@ -775,6 +784,23 @@ def _per_head(g: Optional[Tensor]) -> bool:
     return g is not None and g.shape[-1] == 1
 
 
+def _backward_passes(causal: bool, fused: bool) -> List[Tuple[bool, bool, bool]]:
+    """The backward's launches, as (walking left, along part, against part). Walking right, the forward
+    direction is walked along (its part of dq, in the chunk and from the state) and the backward one
+    against (its part of dk and dv); walking left, the other way round. A causal call has no backward
+    direction: it walks right along and left against, and writes each gradient once. A bidirectional one
+    walks both ways, and each gradient is written by two launches, the first of which leaves a 16-bit pair
+    (``_store_sum``): the two parts cancel (dq is orthogonal to q, for one), and rounding the first to 16
+    bits cost 3x in dq's accuracy. ``fused``: each walk does both parts from the same tiles, in two
+    launches instead of four; else dq's two launches run first, so that its pair's second half is gone
+    before dk's and dv's are made (less memory, more reads)."""
+    if causal:
+        return [(False, True, False), (True, False, True)]
+    if fused:
+        return [(False, True, True), (True, True, True)]
+    return [(False, True, False), (True, True, False), (False, False, True), (True, False, True)]
+
+
 def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal: bool, normalize: bool,
               eps: float, needs: Tuple[bool, ...]):
     B, H, L = cfg.B, cfg.H, cfg.L
@@ -798,14 +824,6 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
             *common, *_s3(y), *_s3(dq), *_s3(dk), *_s3(dv), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
             GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, LO_OUT=False, SDT=cfg.SDT, **cfg.consts())
         return dq, dk, dv, None, None
-    # Walking right, the forward direction is walked along (its part of dq, in the chunk and from the
-    # state) and the backward one against (its part of dk and dv); walking left, the other way round. A
-    # causal call has no backward direction (b is None): it walks right along and left against. Each part
-    # is a launch of its own: fused, their tiles overflow the registers (kernel_targets: up to 3.9 KB spilled
-    # per thread on sm_90 at D = 64), where each alone fits. So dq, dk and dv are each written by two
-    # launches, the first of which leaves a 16-bit pair (``_store_sum``): the two parts cancel (dq is
-    # orthogonal to q, for one), and rounding the first to 16 bits cost 3x in dq's accuracy. dq's two
-    # launches run first, so that its pair's second half is gone before dk's and dv's are made.
     walks = {False: (f, b), True: (b, f)}  # reverse -> (the gates walked along, those walked against)
     sums = {}
     for reverse, (g_along, against) in walks.items():
@@ -819,37 +837,37 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
         mom = torch.empty(BH, cfg.nseg, dtype=torch.float32, device=q.device) if moments else None
         sums[reverse] = (rca, rcb, mom)
     common += (*_s3(dq), *_s3(dk), *_s3(dv))
-    pairs = cfg.SPLIT and not causal
-    for along in (True, False):
-        lo = ([torch.empty_like(dq) if pairs else dq, dk, dv] if along else
-              [dq] + [torch.empty_like(x) if pairs else x for x in (dk, dv)])
-        for reverse in (False, True):
-            if causal and reverse == along:
-                continue
-            g_along, against = walks[reverse]
-            rca, rcb, mom = sums[reverse]
-            first, last = not reverse or causal, reverse or causal  # of the two launches that write a gradient
-            if cfg.nseg == 1:
-                states = [dy] * 6
-            elif along:
-                states = _segment_states(cfg, reverse, g_along, pad, k, v, moments=mom is not None)
-                states += [dy] * (6 - len(states))
-            else:
-                states = [dy] * 4 + _segment_states(cfg, reverse, against, pad, k, v, grad=grad,
-                                                    normalize=normalize, eps=eps)
-            _backward_walk[(BH, cfg.nseg)](
-                q, k, v, dy, dden, den, g_along if g_along is not None else dy,
-                against if against is not None else dy, pad if pad is not None else dy, *states, dq, dk, dv, *lo,
-                *(x if x is not None else dy for x in (rca, rcb, mom)),
-                *common, *_s3(g_along), *_s3(against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
-                # the forward direction keeps the diagonal: walked along to the right, against to the left
-                REVERSE=reverse, STRICT=reverse == along, ALONG=along, GATE_A=g_along is not None,
-                GATE_B=against is not None, HAS_PAD=pad is not None, S_IN=cfg.nseg > 1 and along,
-                M_IN=cfg.nseg > 1 and along and mom is not None, G_IN=cfg.nseg > 1 and not along,
-                NORMALIZE=normalize, DCUM_A=along and rca is not None, DCUM_B=not along and rcb is not None,
-                MOMENTS=along and mom is not None, P_SUMS=along and (rca is not None or mom is not None),
-                FIRST=first, LO_IN=cfg.SPLIT and not first, LO_OUT=cfg.SPLIT and not last, DT=cfg.DT,
-                SDT=cfg.SDT, GDT=cfg.GDT, PREFETCH=PREFETCH[True], **cfg.consts())
+    lo = {}  # the second halves of the pairs that the first of a gradient's two launches leaves
+    for reverse, along, against in _backward_passes(causal, cfg.fused):
+        g_along, g_against = walks[reverse]
+        rca, rcb, mom = sums[reverse]
+        first, last = not reverse or causal, reverse or causal  # of the two launches that write a gradient
+        written = {"dq": dq} if along else {}
+        if against:
+            written.update(dk=dk, dv=dv)
+        if cfg.SPLIT and not last:
+            lo.update({name: torch.empty_like(x) for name, x in written.items()})
+        along_states = (_segment_states(cfg, reverse, g_along, pad, k, v, moments=mom is not None)
+                        if along and cfg.nseg > 1 else [])
+        against_states = (_segment_states(cfg, reverse, g_against, pad, k, v, grad=grad, normalize=normalize,
+                                          eps=eps) if against and cfg.nseg > 1 else [dy] * 2)
+        states = along_states + [dy] * (4 - len(along_states)) + against_states
+        _backward_walk[(BH, cfg.nseg)](
+            q, k, v, dy, dden, den, g_along if g_along is not None else dy,
+            g_against if g_against is not None else dy, pad if pad is not None else dy, *states, dq, dk, dv,
+            *(lo.get(name, x) for name, x in (("dq", dq), ("dk", dk), ("dv", dv))),
+            *(x if x is not None else dy for x in (rca, rcb, mom)),
+            *common, *_s3(g_along), *_s3(g_against), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
+            REVERSE=reverse, ALONG=along, AGAINST=against, GATE_A=along and g_along is not None,
+            GATE_B=against and g_against is not None, HAS_PAD=pad is not None, S_IN=bool(along_states),
+            M_IN=along and cfg.nseg > 1 and mom is not None, G_IN=against and cfg.nseg > 1,
+            NORMALIZE=normalize, DCUM_A=along and rca is not None, DCUM_B=against and rcb is not None,
+            MOMENTS=along and mom is not None, P_SUMS=along and (rca is not None or mom is not None),
+            FIRST=first, LO_IN=cfg.SPLIT and not first, LO_OUT=cfg.SPLIT and not last, DT=cfg.DT,
+            SDT=cfg.SDT, GDT=cfg.GDT, PREFETCH=PREFETCH[True], **cfg.consts())
+        if last:  # this gradient's pair is summed: its second half is free for the next one's
+            for name in written:
+                lo.pop(name, None)
     df = _gate_grad(f, needs[3], sums[False][2], sums[False][0], sums[True][1], cfg, reverse=False)
     db = _gate_grad(b, needs[4], sums[True][2], sums[True][0], sums[False][1], cfg, reverse=True)
     return dq, dk, dv, df, db
