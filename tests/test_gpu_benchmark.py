@@ -138,6 +138,10 @@ def test_kernel_cost_counts_both_walks():
     assert both["bytes"] - fwd["bytes"] == (1 + 3 + 2 * 4 + 3 * 5) * 64 * 2 + 32
     split = gpu.kernel_cost(1, 1, 1, 64, "token", "fwdbwd", segments=False, fused=False)
     assert split["bytes"] - both["bytes"] == 2 * 4 * 64 * 2 + 16 and split["flops"] == both["flops"]
+    # in segments, per-token gates take the keys' states from the forward; a per-head gate's backward sums
+    # them again (two directions' k, v), with the distance-weighted sums beside them
+    token, head = (gpu.kernel_cost(1, 1, 1, 64, g, "fwdbwd") for g in ("token", "head"))
+    assert head["bytes"] - token["bytes"] == 4 * 64 * 2 and head["flops"] - token["flops"] == 4 * 64 * 64
     assert fwd["bytes"] == (6 + 2 * 2 + 1) * 64 * 2 + 12
     # float32 sums need no second half
     assert gpu.kernel_cost(1, 1, 1, 64, "token", "fwd", segments=False, in_bytes=4)["bytes"] == 9 * 64 * 4 + 12

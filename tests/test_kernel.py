@@ -283,6 +283,50 @@ def test_fused_backward_changes_no_value(gates, dtype, monkeypatch):
         assert (a is None) == (r is None) and (r is None or torch.equal(a, r))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_takes_the_forward_segment_states(causal, monkeypatch):
+    """Where the walks are cut into segments (on a GPU: here asked for three per batch and head), the
+    backward's walks along a direction take the states entering each segment from the forward's walk in
+    that direction, instead of a segment-sum pass of their own: half of the backward's segment-sum
+    launches, and the values and gradients of the definition."""
+    from lion_fairseq.ops import kernel as kmod
+
+    monkeypatch.setattr(kmod, "_programs", lambda x: 3 * x.shape[0] * x.shape[1])
+    sums, launches = kmod._segment_sums, []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return sums[grid]
+
+    monkeypatch.setattr(kmod, "_segment_sums", Counted())
+    inputs = make_inputs(70, "token", D=16, seed=7, dtype=torch.float32)
+    kw = dict(causal=causal, key_padding_mask=padding(70))
+    y = kernel(*[x.detach().requires_grad_() for x in inputs], chunk_size=16, **kw)
+    walks = 1 if causal else 2
+    assert [grid[1] for grid in launches] == [3] * walks  # the forward's sums, three segments each
+    y.sum().backward()
+    assert len(launches) == 2 * walks  # the backward's: its walks against each direction only
+    check_against_reference(lambda *x: kernel(*x, chunk_size=16, **kw), inputs, kw, 1e-5, 1e-5)
+
+
+def test_forward_segment_states_serve_only_the_same_segments():
+    """The forward's states serve a backward walk whose segments are the same tokens; walking left, also
+    in the same frame, which starts with the last chunk's missing tokens (chunks of 32 forward and of 16
+    backward frame L = 70 as 96 and 80 positions, L = 90 as 96 both)."""
+    from types import SimpleNamespace
+
+    from lion_fairseq.ops import kernel as kmod
+
+    states = {False: ["right"], True: ["left"]}
+    entering = kmod._Entering(tokens=64, padded=96, states=states)
+    assert kmod._forward_states(SimpleNamespace(Q=4, C=16, L=70), entering, False) == ["right"]
+    assert kmod._forward_states(SimpleNamespace(Q=4, C=16, L=70), entering, True) is None
+    assert kmod._forward_states(SimpleNamespace(Q=4, C=16, L=90), entering, True) == ["left"]
+    assert kmod._forward_states(SimpleNamespace(Q=3, C=16, L=90), entering, False) is None
+    assert kmod._forward_states(SimpleNamespace(Q=4, C=16, L=90), None, False) is None
+
+
 def test_rows_beyond_32_bit_offsets_are_copied():
     """The kernel adds row offsets in 32 bits: a view of fairseq's layout whose rows reach 2^31 elements
     (64 x 12 heads x 64 at L = 65536) is read from a contiguous copy, one within reach in place."""

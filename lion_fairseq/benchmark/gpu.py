@@ -270,8 +270,10 @@ def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: T
     - backward, gated: ``dden`` from dy and y; per walk, its part along (``q k^T``, ``do v^T``, ``dA k``:
       three C x C products; two state products) and its part against (four C x C products, three state
       products), one launch (``fused``, the kernel's ``FUSED``) or one launch each, plus the segments' sums
-      of both states; each launch reads q, k, v, dy and two float32 row values; dq, dk, dv are each
-      written by two launches, the second adding to the first's pair;
+      of the queries' states, and of the keys' where the gates are one per head (their gradient wants
+      distance-weighted sums beside them; per-token gates take them from the forward's walks); each launch
+      reads q, k, v, dy and two float32 row values; dq, dk, dv are each written by two launches, the second
+      adding to the first's pair;
     - backward, no gates: ``dden``, the queries' sums and three state products; reads q, k, v, dy once, and
       writes dq, dk, dv once."""
     tokens = B * H * L
@@ -283,11 +285,13 @@ def kernel_cost(B: int, H: int, L: int, D: int, gates: str, mode: str, chunks: T
         flops = {"fwd": 4 * D * D, "bwd": 10 * D * D}
         io = {"fwd": 4 * row + 4, "bwd": (9 + pair) * row + 24}
     else:
-        sums = 2 * 2 * D * D if segments else 0
-        flops = {"fwd": 2 * (4 * c_fwd * D + 4 * D * D) + sums, "bwd": 2 * (14 * c_bwd * D + 10 * D * D) + 2 * sums}
+        sums = 2 * 2 * D * D if segments else 0  # both directions' segment sums
+        keys_again = gates == "head"  # the backward's own sums of the keys' states
+        flops = {"fwd": 2 * (4 * c_fwd * D + 4 * D * D) + sums,
+                 "bwd": 2 * (14 * c_bwd * D + 10 * D * D) + (1 + keys_again) * sums}
         io = {"fwd": (6 + (4 if segments else 0) + 2 * pair + 1) * row + 12,
-              "bwd": ((1 + pair) + launches * 4 + 3 * (1 + 2 * pair) + (8 if segments else 0)) * row + 8 +
-                     launches * 8 + (16 if segments else 0) + 8}
+              "bwd": ((1 + pair) + launches * 4 + 3 * (1 + 2 * pair) + ((4 + 4 * keys_again) if segments else 0)) *
+                     row + 8 + launches * 8 + (16 if segments else 0) + 8}
     y_kept = (pair - 1) * row  # the second half of y's pair, written where a backward will read it
     if mode == "fwdbwd":
         return {"flops": tokens * (flops["fwd"] + flops["bwd"]),

@@ -19,10 +19,11 @@ physical position ``L-1-p`` (no shift).
 Parallelism: a walk over L tokens is sequential, so the sequence is cut into *segments* of chunks. One
 small pass sums each segment's contribution to the state (``_segment_sums``), a matrix of decays turns
 them into the state entering each segment (``_entering``, in PyTorch: at most a few hundred segments),
-and then every segment walks on its own: ``B*H*segments`` programs whatever L is. A walk's steps wait on
-their chunk's q, k, v (and dy) rows, which Triton's pipeliner leaves alone (they feed products and
-elementwise terms both); with ``PREFETCH`` each step loads the next chunk's rows before computing its own
-(off until a GPU shows that it pays: ``benchmark.gpu_tune``).
+and then every segment walks on its own: ``B*H*segments`` programs whatever L is. The backward cuts the
+sequence at the forward's segments, whose entering states then serve its walks along the same directions
+(``_Entering``). A walk's steps wait on their chunk's q, k, v (and dy) rows, which Triton's pipeliner
+leaves alone (they feed products and elementwise terms both); with ``PREFETCH`` each step loads the next
+chunk's rows before computing its own (off until a GPU shows that it pays: ``benchmark.gpu_tune``).
 
 The two directions meet in the normaliser, ``y = (n_fwd + n_bwd) / (d_fwd + d_bwd + eps)``: the first walk
 leaves ``n/(d+eps)`` in y (in y's dtype: a weighted mean of v, so it needs no more range than y) and
@@ -62,7 +63,7 @@ CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products ru
 import functools
 import os
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -584,6 +585,12 @@ def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _programs(x: Tensor) -> int:
+    """How many programs a walk's launch should have on x's device, over all batches and heads: on a GPU
+    ``PROGRAMS_PER_SM`` per streaming multiprocessor; elsewhere (the interpreter) one per batch and head."""
+    return PROGRAMS_PER_SM * _processors(x.device) if x.is_cuda else 1
+
+
 # (largest chunk, warps) by the head's block size, forward and backward: the largest chunk whose walks
 # compile for sm_90 with no registers spilled (python -m lion_fairseq.ops.kernel_targets, docs/gpu.md): with
 # chunks of 64 and 4 warps the walks spilled up to 0.5 KB per thread forward and 3.9 KB backward at D = 64
@@ -662,7 +669,7 @@ class _Config:
         self.C = min(largest, max(16, triton.next_power_of_2(chunk_size)))
         N = triton.cdiv(L, self.C)
         if segment_chunks is None:  # the same programs per streaming multiprocessor, whatever L is
-            programs = PROGRAMS_PER_SM * _processors(q.device) // (B * H) if q.is_cuda else 1
+            programs = _programs(q) // (B * H)
             segment_chunks = triton.cdiv(N, max(1, min(N, programs)))
         self.Q = max(1, segment_chunks)
         self.nseg = triton.cdiv(N, self.Q)
@@ -746,11 +753,22 @@ def _segment_states(cfg: _Config, reverse: bool, gates: Optional[Tensor], pad: O
     return _entering(U, UZ, logd, cfg.Q * cfg.C, *((U1, UZ1) if moments else ()))
 
 
+class _Entering(NamedTuple):
+    """The states entering each segment of the forward's walks, by direction (walking left or not), for
+    the backward's walks along the same directions to reuse where they cut the sequence alike: segments of
+    ``tokens`` tokens, in frames of ``padded`` positions (the reversed frame starts with the last chunk's
+    missing tokens)."""
+    tokens: int
+    padded: int
+    states: Dict[bool, List[Tensor]]
+
+
 def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor], b: Optional[Tensor],
              pad: Optional[Tensor], causal: bool, normalize: bool, eps: float, keep: bool):
     """Returns y ``(B, H, L, Dv)`` in v's dtype; what y's rounding lost, in the same dtype, where the
     backward reads y (``keep``) and y is 16-bit (else None); the row sums ``(B*H, L)`` float32 (or None);
-    and the total state of a bidirectional call without gates (or None)."""
+    the total state of a bidirectional call without gates (or None); and the walks' ``_Entering``
+    states (or None)."""
     B, H, L = cfg.B, cfg.H, cfg.L
     # in v's layout: for a view of fairseq's (L, B, H*D) projection, y's (L, B, H*D) view is then free
     y = torch.empty_like(v, memory_format=torch.preserve_format)
@@ -767,9 +785,12 @@ def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor],
             *common, *_s3(y), *_s3(y), *_s3(y), *_s3(y), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
             GRAD=False, HAS_PAD=pad is not None, NORMALIZE=normalize, LO_OUT=lo is not None, SDT=cfg.SDT,
             **cfg.consts())
-        return y, lo, (den if normalize else None), (S, z)
+        return y, lo, (den if normalize else None), (S, z), None
+    entering = _Entering(cfg.Q * cfg.C, triton.cdiv(L, cfg.C) * cfg.C, {})
     for n, (reverse, g) in enumerate(walks):
         state = (_segment_states(cfg, reverse, g, pad, k, v) if cfg.nseg > 1 else [y, y])
+        if cfg.nseg > 1:
+            entering.states[reverse] = state
         _forward_walk[(B * H, cfg.nseg)](
             q, k, v, g if g is not None else y, pad if pad is not None else y, y, lo if lo is not None else y, den,
             *state, *common, *_s3(g), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, cfg.Q, eps,
@@ -777,11 +798,21 @@ def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor],
             HAS_STATE=cfg.nseg > 1, FIRST=n == 0, NORMALIZE=normalize, LO_IN=lo is not None and n > 0,
             LO_OUT=lo is not None and (keep or n < len(walks) - 1), DT=cfg.DT, SDT=cfg.SDT,
             PREFETCH=PREFETCH[False], **cfg.consts())
-    return y, (lo if keep else None), (den if normalize else None), None
+    return y, (lo if keep else None), (den if normalize else None), None, entering
 
 
 def _per_head(g: Optional[Tensor]) -> bool:
     return g is not None and g.shape[-1] == 1
+
+
+def _forward_states(cfg: _Config, entering: Optional[_Entering], reverse: bool) -> Optional[List[Tensor]]:
+    """The forward's states entering the segments of the walk in this direction (``reverse``: walking
+    left), where the backward's segments are the same tokens in the same frame; else None."""
+    if entering is None or reverse not in entering.states or cfg.Q * cfg.C != entering.tokens:
+        return None
+    if reverse and triton.cdiv(cfg.L, cfg.C) * cfg.C != entering.padded:
+        return None
+    return entering.states[reverse]
 
 
 def _backward_passes(causal: bool, fused: bool) -> List[Tuple[bool, bool, bool]]:
@@ -802,7 +833,7 @@ def _backward_passes(causal: bool, fused: bool) -> List[Tuple[bool, bool, bool]]
 
 
 def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal: bool, normalize: bool,
-              eps: float, needs: Tuple[bool, ...]):
+              eps: float, needs: Tuple[bool, ...], entering: Optional[_Entering] = None):
     B, H, L = cfg.B, cfg.H, cfg.L
     BH = B * H
     # in their inputs' layouts: the gradients of fairseq's (L, B, H*D) projections need no copy
@@ -847,8 +878,10 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
             written.update(dk=dk, dv=dv)
         if cfg.SPLIT and not last:
             lo.update({name: torch.empty_like(x) for name, x in written.items()})
-        along_states = (_segment_states(cfg, reverse, g_along, pad, k, v, moments=mom is not None)
-                        if along and cfg.nseg > 1 else [])
+        along_states = []
+        if along and cfg.nseg > 1:  # the forward's, unless a per-head gate's moments are wanted beside them
+            along_states = (_forward_states(cfg, entering, reverse) if mom is None else None) or _segment_states(
+                cfg, reverse, g_along, pad, k, v, moments=mom is not None)
         against_states = (_segment_states(cfg, reverse, g_against, pad, k, v, grad=grad, normalize=normalize,
                                           eps=eps) if against and cfg.nseg > 1 else [dy] * 2)
         states = along_states + [dy] * (4 - len(along_states)) + against_states
@@ -899,11 +932,12 @@ class _LionKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, f, b, pad, causal, normalize, eps, chunk_size, segment_chunks, keep):
         cfg = _Config(q, v, chunk_size, segment_chunks)
-        y, y_lo, den, total = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps, keep)
+        y, y_lo, den, total, entering = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps, keep)
         ctx.save_for_backward(q, k, v, f, b, pad, y, y_lo, den, *(total or ()))
         ctx.causal, ctx.normalize, ctx.eps = causal, normalize, eps
         ctx.chunk_size, ctx.segment_chunks = chunk_size, segment_chunks
         ctx.has_total = total is not None
+        ctx.entering = entering if entering is not None and entering.states else None
         return y
 
     @staticmethod
@@ -911,8 +945,12 @@ class _LionKernel(torch.autograd.Function):
         q, k, v, f, b, pad, y, y_lo, den, *total = ctx.saved_tensors
         dy = _addressable(dy)
         cfg = _Config(q, v, ctx.chunk_size, ctx.segment_chunks, backward=True)
+        entering, ctx.entering = ctx.entering, None
+        if entering is not None and ctx.segment_chunks is None and entering.tokens % cfg.C == 0:
+            # the forward's segments, so that its states serve the walks along the same directions
+            cfg = _Config(q, v, ctx.chunk_size, entering.tokens // cfg.C, backward=True)
         dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
-                                       dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad)
+                                       dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad, entering)
         return dq, dk, dv, df, db, None, None, None, None, None, None, None
 
 
