@@ -55,7 +55,9 @@ def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: i
     from .gpu import INPUT_NAMES, compare, outputs, runner, time_ms, timed_calls
 
     q, v = inputs[0], inputs[2]
-    cfg = kernel._Config(q, v, 64, None, backward=mode == "fwdbwd")
+    cfg = kernel._Config(q, v, 64, None)
+    if mode == "fwdbwd":  # the backward's chunks, in the forward's segments where they divide them
+        cfg = kernel._backward_config(q, v, 64, None, cfg.Q * cfg.C if cfg.nseg > 1 else None)
     row = {"chunk": cfg.C, "segments": cfg.nseg}
     row.update(compare(outputs(inputs, weight, "triton", False), ref, list(INPUT_NAMES), "bfloat16"))
     if not row["ok"]:

@@ -805,6 +805,17 @@ def _per_head(g: Optional[Tensor]) -> bool:
     return g is not None and g.shape[-1] == 1
 
 
+def _backward_config(q: Tensor, v: Tensor, chunk_size: int, segment_chunks: Optional[int],
+                     forward_tokens: Optional[int]) -> _Config:
+    """The backward's configuration: unless the call fixed the chunks per segment, the forward's segments
+    of ``forward_tokens`` tokens (None: it had one) where its chunks divide them, so that the forward's
+    states serve the walks along the same directions."""
+    cfg = _Config(q, v, chunk_size, segment_chunks, backward=True)
+    if forward_tokens is not None and segment_chunks is None and forward_tokens % cfg.C == 0:
+        cfg = _Config(q, v, chunk_size, forward_tokens // cfg.C, backward=True)
+    return cfg
+
+
 def _forward_states(cfg: _Config, entering: Optional[_Entering], reverse: bool) -> Optional[List[Tensor]]:
     """The forward's states entering the segments of the walk in this direction (``reverse``: walking
     left), where the backward's segments are the same tokens in the same frame; else None."""
@@ -944,11 +955,9 @@ class _LionKernel(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, f, b, pad, y, y_lo, den, *total = ctx.saved_tensors
         dy = _addressable(dy)
-        cfg = _Config(q, v, ctx.chunk_size, ctx.segment_chunks, backward=True)
         entering, ctx.entering = ctx.entering, None
-        if entering is not None and ctx.segment_chunks is None and entering.tokens % cfg.C == 0:
-            # the forward's segments, so that its states serve the walks along the same directions
-            cfg = _Config(q, v, ctx.chunk_size, entering.tokens // cfg.C, backward=True)
+        cfg = _backward_config(q, v, ctx.chunk_size, ctx.segment_chunks,
+                               entering.tokens if entering is not None else None)
         dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
                                        dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad, entering)
         return dq, dk, dv, df, db, None, None, None, None, None, None, None
