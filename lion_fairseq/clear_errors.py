@@ -172,8 +172,9 @@ def _wrap_load_indexed_dataset(original):
             split = os.path.basename(str(path))
             raise ValueError(
                 f"data split {split!r} is empty: {path}.bin has no tokens (its text had no lines when "
-                "fairseq-preprocess binarised it). Re-run fairseq-preprocess on a non-empty file, or leave "
-                f"the split out (--disable-validation, or --valid-subset naming splits that have data)") from e
+                "fairseq-preprocess binarised it). Re-run fairseq-preprocess on a non-empty file, or name "
+                "splits that have data: fairseq-train --valid-subset (or --disable-validation), fairseq-validate "
+                "--valid-subset, fairseq-eval-lm and fairseq-generate --gen-subset") from e
     load_indexed_dataset.__lion_wrapped__ = True
     return load_indexed_dataset
 
