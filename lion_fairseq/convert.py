@@ -147,6 +147,9 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
     from omegaconf import OmegaConf
 
     extra = list(extra or [])
+    if os.path.exists(out) and os.path.exists(checkpoint) and os.path.samefile(checkpoint, out):
+        raise ValueError(f"the output {out} is the softmax checkpoint itself, which writing it would replace: "
+                         "pass another path for the LION checkpoint")
     state = _safe_load(checkpoint)
     config = teacher_config(state)
     target = target_of(arch, config)

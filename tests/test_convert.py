@@ -148,6 +148,19 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
     assert bad.returncode == 2 and "--encoder-layers" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_convert_refuses_to_write_over_its_input(roberta, tmp_path):
+    """The teacher is data: an output path that names it (here through a symbolic link) is refused, the
+    file left as it was."""
+    from lion_fairseq import convert
+
+    teacher = tmp_path / "teacher.pt"
+    teacher.write_bytes(roberta.read_bytes())
+    shutil.copy(roberta.parent / "dict.txt", tmp_path / "dict.txt")
+    (tmp_path / "link.pt").symlink_to(teacher)
+    assert convert.main([str(teacher), str(tmp_path / "link.pt"), "--arch", "lion_d_tiny"]) == 2
+    assert teacher.read_bytes() == roberta.read_bytes()
+
+
 def test_attention_transfer_trains_only_the_chosen_parts(roberta, text_data_bin, tmp_path):
     """``--criterion lion_attention_transfer`` through fairseq-train: only q, k and the gates move, everything
     else stays bit-identical to the converted start."""
