@@ -605,8 +605,9 @@ STAGES = {False: 3, True: 3}
 PREFETCH = {False: False, True: False}
 # whether a bidirectional backward walks each way once with both of its parts (two launches), by head
 # class, instead of once per part (four launches, each reading q, k, v and dy again): ``_backward_passes``.
-# Compiled for sm_90 at the backward's (16, 8) with 16-bit inputs, fused walks spill at most 48 bytes a
-# thread (bf16) and 240 (fp16) at D <= 64, and more than split ones at D = 128 (kernel_targets)
+# Compiled for sm_90 at the backward's (16, 8), fused walks spill at most 48 bytes a thread with bf16
+# inputs and 240 with fp16 at D = 64 (232 and 384 at D = 32), and more than split ones at D = 128
+# (kernel_targets)
 FUSED = {64: True, 128: False}
 
 
@@ -621,8 +622,9 @@ def configured(D: int = 64, forward: Optional[Tuple[int, int]] = None, backward:
                prefetch: Optional[Tuple[bool, bool]] = None, fused: Optional[bool] = None) -> Iterator[None]:
     """Inside the block, the kernel takes (chunk, warps) ``forward`` and ``backward`` at head size D,
     ``programs`` per streaming multiprocessor, (forward, backward) ``stages`` and ``prefetch``, and
-    ``fused`` backward walks at head size D (None: as it ships); afterwards, what it took before. For tuning (``benchmark.gpu_tune``) and compiling
-    (``kernel_targets``) other configurations than the shipped one."""
+    ``fused`` backward walks at head size D (None: as it ships); afterwards, what it took before. For
+    tuning (``benchmark.gpu_tune``) and compiling (``kernel_targets``) other configurations than the
+    shipped one."""
     global PROGRAMS_PER_SM
     saved = ({pas: dict(by_head) for pas, by_head in BLOCKS.items()}, PROGRAMS_PER_SM, dict(STAGES), dict(PREFETCH),
              dict(FUSED))
@@ -660,7 +662,8 @@ class _Config:
         self.BV = max(16, triton.next_power_of_2(self.Dv))
         largest, self.num_warps = BLOCKS[backward][head_class(max(self.BK, self.BV))]
         self.num_stages = STAGES[backward]
-        # float32 inputs' three-product dots spill 0.7 KB a thread in a fused walk on sm_90 (kernel_targets)
+        # float32 inputs keep a launch per part: fused, their walks spilled up to 0.7 KB a thread (3xTF32
+        # products, sm_90, kernel_targets)
         self.fused = FUSED[head_class(max(self.BK, self.BV))] and q.dtype != torch.float32
         if INTERPRETED:  # no registers to spare there, and a step costs the same at any chunk: take fewer steps
             largest = 64
@@ -948,7 +951,10 @@ class _LionKernel(torch.autograd.Function):
         ctx.causal, ctx.normalize, ctx.eps = causal, normalize, eps
         ctx.chunk_size, ctx.segment_chunks = chunk_size, segment_chunks
         ctx.has_total = total is not None
-        ctx.entering = entering if entering is not None and entering.states else None
+        # kept for the backward, whose walks along a per-head gate's direction sum them again with its
+        # distance-weighted sums
+        moments = any(_per_head(g) and ctx.needs_input_grad[i] for i, g in ((3, f), (4, b)))
+        ctx.entering = entering if entering is not None and entering.states and not moments else None
         return y
 
     @staticmethod
