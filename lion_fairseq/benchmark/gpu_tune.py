@@ -5,9 +5,9 @@ loops' pipelining stages from ``kernel.STAGES``, whether its walks load the next
 ``kernel.PREFETCH``, whether a bidirectional backward does both of its parts in one walk each way from
 ``kernel.FUSED``, and cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM``
 programs per streaming multiprocessor. They were chosen without a GPU (the largest chunk that spills no
-registers on sm_90; Triton's default stages; no prefetch; fused where that spills little). This times LION-S (per-token
-gates; bf16, the benchmark's heads, head size and tokens per batch) at each ``--tune-lengths`` L over the
-candidates:
+registers on sm_90; Triton's default stages; no prefetch; fused where that spills little). This times
+LION-S (per-token gates; bf16, the benchmark's heads, head size and tokens per batch) at each
+``--tune-lengths`` L over the candidates:
 
 1. the forward's (chunk, warps) in ``FORWARD`` times ``PROGRAMS``, timed forward only (inference);
 2. the kernel as it ships, forward+backward, for the comparison;
