@@ -214,7 +214,8 @@ def test_gate_gradients_under_strong_decay(gates, causal, normalize):
     1e-5 of float64 in every form, relative to their largest entry (itself 1e-4 and 1e-12 here). The
     diagonal crosses no gate; taken into the chunk form's row and column sums, or into the parallel
     form's mask as F_i - F_i, it cancelled only to its own rounding, which outweighs every other pair:
-    the chunk form's gradients were 1e-3 and 1 off, the parallel form's 1e-2 at -30."""
+    the chunk form's gradients were up to 1e-2 off here at -10 and 0.6 at -30, the parallel form's 2e-3
+    to 1.5e-2 at -30 (L = 64)."""
     L = 3 * C + 5
     for log_gate in (-10.0, -30.0):
         q, k, v, f, bw = make_inputs(L, gates, seed=3)
