@@ -252,6 +252,22 @@ def test_prefetch_changes_no_value(gates, causal, dtype, monkeypatch):
         assert (a is None) == (r is None) and (r is None or torch.equal(a, r))
 
 
+def launched(monkeypatch, name):
+    """The grids of every launch, from now on, of the kernel module's Triton kernel ``name`` (which still
+    runs)."""
+    from lion_fairseq.ops import kernel as kmod
+
+    fn, grids = getattr(kmod, name), []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return fn[grid]
+
+    monkeypatch.setattr(kmod, name, Recorded())
+    return grids
+
+
 @pytest.mark.parametrize("gates,dtype", [("token", torch.float16), ("head", torch.bfloat16)])
 def test_fused_backward_changes_no_value(gates, dtype, monkeypatch):
     """A bidirectional backward that walks each way once with both of its parts (``kernel.FUSED``, two
@@ -263,19 +279,12 @@ def test_fused_backward_changes_no_value(gates, dtype, monkeypatch):
     inputs = [x.to(dtype) for x in inputs[:3]] + inputs[3:]
     weight = torch.randn(B, H, 70, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     run = lambda *x: kernel(*x, key_padding_mask=padding(70), segment_chunks=2)  # noqa: E731
-    walk, launches = kmod._backward_walk, []
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches[-1] += 1
-            return walk[grid]
-
-    monkeypatch.setattr(kmod, "_backward_walk", Counted())
-    results = []
+    walks, launches, results = launched(monkeypatch, "_backward_walk"), [], []
     for fused in (False, True):
         monkeypatch.setattr(kmod, "FUSED", {64: fused, 128: fused})
-        launches.append(0)
+        before = len(walks)
         results.append(value_and_grads(run, inputs, weight))
+        launches.append(len(walks) - before)
     assert launches == [4, 2]
     (y, g), (y_fused, g_fused) = results
     assert torch.equal(y, y_fused)
@@ -292,14 +301,7 @@ def test_backward_takes_the_forward_segment_states(causal, monkeypatch):
     from lion_fairseq.ops import kernel as kmod
 
     monkeypatch.setattr(kmod, "_programs", lambda x: 3 * x.shape[0] * x.shape[1])
-    sums, launches = kmod._segment_sums, []
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return sums[grid]
-
-    monkeypatch.setattr(kmod, "_segment_sums", Counted())
+    launches = launched(monkeypatch, "_segment_sums")
     inputs = make_inputs(70, "token", D=16, seed=7, dtype=torch.float32)
     kw = dict(causal=causal, key_padding_mask=padding(70))
     y = kernel(*[x.detach().requires_grad_() for x in inputs], chunk_size=16, **kw)
