@@ -22,30 +22,29 @@ ELEMENTS = 2048  # rows per program: as many as make about this many elements (4
 
 @triton.jit
 def _shifted_silu(X, r, N, D, BD: tl.constexpr):
-    """The rows r of X ``(N, D)`` in float32, ``s = silu(x) + 0.5`` (0 outside), ``sigmoid(x)`` and their
-    offsets and mask."""
+    """The rows r of X ``(N, D)`` in float32, ``s = silu(x) + 0.5`` (0 outside), its norm n over each row
+    (1 outside), ``sigmoid(x)`` and their offsets and mask."""
     d = tl.arange(0, BD)
     mask = (r[:, None] < N) & (d[None, :] < D)
     off = r[:, None].to(tl.int64) * D + d[None, :]
     x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(x)
     s = tl.where(mask, x * sig + 0.5, 0.0)
-    return x, s, sig, off, mask
+    n = tl.where(r < N, tl.sqrt(tl.sum(s * s, 1)), 1.0)  # s >= 0.22 in each real row: n > 0
+    return x, s, n, sig, off, mask
 
 
 @triton.jit
 def _silu_norm_forward(X, Y, N, D, BD: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    x, s, sig, off, mask = _shifted_silu(X, r, N, D, BD)
-    n = tl.where(r < N, tl.sqrt(tl.sum(s * s, 1)), 1.0)  # s >= 0.22 in each real row: n > 0
+    x, s, n, sig, off, mask = _shifted_silu(X, r, N, D, BD)
     tl.store(Y + off, (s / n[:, None]).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _silu_norm_backward(X, DY, DX, N, D, BD: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    x, s, sig, off, mask = _shifted_silu(X, r, N, D, BD)
-    n = tl.where(r < N, tl.sqrt(tl.sum(s * s, 1)), 1.0)
+    x, s, n, sig, off, mask = _shifted_silu(X, r, N, D, BD)
     y = s / n[:, None]
     dy = tl.load(DY + off, mask=mask, other=0.0).to(tl.float32)
     ds = (dy - y * tl.sum(y * dy, 1)[:, None]) / n[:, None]
