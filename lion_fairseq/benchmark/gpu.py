@@ -342,10 +342,10 @@ def measure(impl: str, B: int, H: int, L: int, D: int, warmup: int, iters: int, 
         except torch.cuda.OutOfMemoryError:
             result[f"{mode}_ms"] = result[f"{mode}_mib"] = "OOM"
         if impl.endswith("triton") and isinstance(result[f"{mode}_ms"], float):
-            from lion_fairseq.ops.kernel import FUSED, cuts_into_segments, head_class
+            from lion_fairseq.ops.kernel import _Config, cuts_into_segments
 
             cost = kernel_cost(B, H, L, D, gates_of(impl), mode, segments=cuts_into_segments(inputs[0], inputs[2]),
-                               fused=FUSED[head_class(D)])
+                               fused=_Config(inputs[0], inputs[2], 64, None, backward=True).fused)
             result[f"{mode}_tflops"] = cost["flops"] / result[f"{mode}_ms"] / 1e9
             result[f"{mode}_gbps"] = cost["bytes"] / result[f"{mode}_ms"] / 1e6
         if device == "cuda":
