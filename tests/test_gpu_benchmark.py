@@ -41,7 +41,7 @@ def test_refuses_clearly_without_cuda(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("L,dtype,causal,gates", [(33, "float32", False, "token"), (1, "bfloat16", True, "head"),
-                                                  (20, "bfloat16", False, "none")])
+                                                  (20, "bfloat16", False, "none"), (33, "float16", True, "token")])
 def test_check_compares_the_kernel_with_the_pytorch_form(L, dtype, causal, gates):
     c = gpu.check(L, dtype, causal, gates, device="cpu", B=1, H=2, D=16)
     assert c["ok"] and c["finite"], c
@@ -52,16 +52,20 @@ def test_check_compares_the_kernel_with_the_pytorch_form(L, dtype, causal, gates
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_check_compares_the_feature_map_kernel_with_float64(dtype):
     c = gpu.check_feature_map(40, dtype, device="cpu", B=2, H=3, D=32)
     assert c["ok"] and c["finite"] and set(c["errors"]) == {"values", "dx"}, c
-    assert c["errors"]["values"] < (1e-6 if dtype == "float32" else 3e-3)
+    assert c["errors"]["values"] < {"float32": 1e-6, "bfloat16": 3e-3, "float16": 5e-4}[dtype]
 
 
-def test_check_cases_cover_every_gate_kind_in_bf16():
+def test_check_cases_cover_every_gate_kind_in_both_16_bit_dtypes():
+    """fairseq-train's --fp16 and --amp feed the kernel float16, fairseq-hydra-train's bf16 bfloat16: a GPU
+    check that leaves either out would let the default on CUDA change unchecked for those users."""
     cases = gpu.check_cases([1, 1000])
-    assert {(c[2], c[3]) for c in cases if c[1] == "bfloat16"} == {(ca, g) for ca in (False, True) for g in gpu.GATES}
+    every = {(L, ca, g) for L in (1, 1000) for ca in (False, True) for g in gpu.GATES}
+    for dtype in ("bfloat16", "float16"):
+        assert {(c[0], c[2], c[3]) for c in cases if c[1] == dtype} == every
     assert {c[0] for c in cases} == {1, 1000}
 
 
@@ -261,7 +265,7 @@ def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stu
     trains = [i for i, c in enumerate(stubbed) if c[0] == "train"]
     assert stubbed.index(("eval_lm", 512)) == trains[1] + 1 and stubbed[trains[1]][1:] == ("lion_s_lm", "triton", 512)
     assert stubbed.index(("decoding",)) < trains[2] and len(trains) == 13
-    assert stubbed[:2] == [("feature map", "float32"), ("feature map", "bfloat16")]
+    assert stubbed[:3] == [("feature map", "float32"), ("feature map", "bfloat16"), ("feature map", "float16")]
     assert len([c for c in stubbed if c[0] == "measure"]) == len(gpu.IMPLS)
 
 
@@ -278,7 +282,7 @@ def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stub
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert "illegal memory access" in report["check"][0]["error"]
     assert all(c["error"] == "not run: CUDA context lost" for c in report["check"][1:])
-    assert [c["gates"] for c in report["check"][-2:]] == [gpu.FEATURE_MAP] * 2 and not [
+    assert [c["gates"] for c in report["check"][-3:]] == [gpu.FEATURE_MAP] * 3 and not [
         c for c in stubbed if c[0] == "feature map"]
     assert report["timing"][0]["results"]["sdpa"]["fwd_ms"] == "not run: CUDA context lost"
     assert len([c for c in stubbed if c[0] == "train"]) == 13 and ("eval_lm", 512) in stubbed
