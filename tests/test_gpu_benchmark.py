@@ -87,17 +87,19 @@ def test_tune_checks_and_times_each_candidate_then_restores_the_kernel():
     gpu_tune.sweep(40, 1, 2, 16, 0, 1, lambda: False, rows.append, device="cpu", forward=((16, 4), (32, 8)),
                    backward=((16, 8),), programs=(2,), stages=(2, 3))
     assert [r["pass"] for r in rows] == ["forward"] * 2 + ["shipped", "backward"] + ["backward fused"] * 2 + [
-        "forward stages"] * 2 + ["backward stages"] * 2 + ["forward prefetch"] * 2 + ["backward prefetch"] * 2
+        "backward fused fp16"] * 2 + ["forward stages"] * 2 + ["backward stages"] * 2 + [
+        "forward prefetch"] * 2 + ["backward prefetch"] * 2
     assert all(r["ok"] and r["ms"] > 0 and r["segments"] == 1 for r in rows), rows
     fastest = min(rows[:2], key=lambda r: r["ms"])["forward"]
-    assert all(r["forward"] == fastest for r in rows[3:]) and [r["stages"] for r in rows[6:8]] == [[2, 3], [3, 3]]
-    assert [r["fused"] for r in rows[4:6]] == [False, True]
+    assert all(r["forward"] == fastest for r in rows[3:]) and [r["stages"] for r in rows[8:10]] == [[2, 3], [3, 3]]
+    assert [r["fused"] for r in rows[4:6]] == [False, True] and [r["fused"] for r in rows[6:8]] == [False, True]
     fused = min(rows[4:6], key=lambda r: r["ms"])["fused"]  # the fused pass chooses among its own rows
-    assert all(r["fused"] == fused for r in rows[8:10] + rows[12:])
-    assert rows[8]["stages"][0] == min(rows[6:8], key=lambda r: r["ms"])["stages"][0]
-    assert [r["prefetch"] for r in rows[10:]] == [[False, False], [True, False]] + [
-        [min(rows[10:12], key=lambda r: r["ms"])["prefetch"][0], a] for a in (False, True)]
-    assert all(r["stages"] == rows[-1]["stages"] for r in rows[12:])
+    assert all(r["backward"] == min(rows[4:6], key=lambda r: r["ms"])["backward"] for r in rows[6:8])
+    assert all(r["fused"] == fused for r in rows[10:12] + rows[14:])
+    assert rows[10]["stages"][0] == min(rows[8:10], key=lambda r: r["ms"])["stages"][0]
+    assert [r["prefetch"] for r in rows[12:]] == [[False, False], [True, False]] + [
+        [min(rows[12:14], key=lambda r: r["ms"])["prefetch"][0], a] for a in (False, True)]
+    assert all(r["stages"] == rows[-1]["stages"] for r in rows[14:])
     assert (json.dumps(kernel.BLOCKS), kernel.PROGRAMS_PER_SM, json.dumps(kernel.STAGES),
             json.dumps(kernel.PREFETCH), json.dumps(kernel.FUSED)) == before
     skipped = {k: rows[0][k] for k in ("L", "B", "pass", "forward", "backward", "programs", "stages", "prefetch",
@@ -105,7 +107,8 @@ def test_tune_checks_and_times_each_candidate_then_restores_the_kernel():
     report = {"environment": {"gpu": "none"}, "args": vars(gpu.parse_args(["--out", "x"])),
               "shipped": gpu_tune.shipped(16), "rows": rows + [dict(skipped, skipped="budget")]}
     md = gpu_tune.markdown(report)
-    assert md.count("| 40 | 1 |") == 15 and "L = 40, backward prefetch:" in md
+    assert md.count("| 40 | 1 |") == 17 and "L = 40, backward prefetch:" in md
+    assert "L = 40, backward fused fp16:" in md
     assert "| 40 | 1 | forward | (16, 4) | (16, 8) | 2 | (3, 3) | (False, False) | True | skipped (budget) | | | | |" in md
 
 

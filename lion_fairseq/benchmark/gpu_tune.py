@@ -6,13 +6,15 @@ loops' pipelining stages from ``kernel.STAGES``, whether its walks load the next
 ``kernel.FUSED``, and cuts its walks into segments until there are about ``kernel.PROGRAMS_PER_SM``
 programs per streaming multiprocessor. They were chosen without a GPU (the largest chunk that spills no
 registers on sm_90; Triton's default stages; no prefetch; fused where that spills little). This times
-LION-S (per-token gates; bf16, the benchmark's heads, head size and tokens per batch) at each
-``--tune-lengths`` L over the candidates:
+LION-S (per-token gates; bf16, or fp16 where a pass says so; the benchmark's heads, head size and tokens
+per batch) at each ``--tune-lengths`` L over the candidates:
 
 1. the forward's (chunk, warps) in ``FORWARD`` times ``PROGRAMS``, timed forward only (inference);
 2. the kernel as it ships, forward+backward, for the comparison;
 3. with the fastest forward's, the backward's (chunk, warps) in ``BACKWARD`` times ``PROGRAMS``, timed
-   forward+backward; then at the fastest of those programs, ``BACKWARD`` fused and not;
+   forward+backward; then at the fastest of those programs, ``BACKWARD`` fused and not; then the fastest
+   of those fused and not in fp16 (what ``fairseq-train --fp16`` and ``--amp`` feed the kernel: its fused
+   walks spill more registers than bf16's, ``docs/gpu.md``);
 4. with the fastest of each, the forward's stages in ``STAGES`` (timed forward), then the backward's
    (forward+backward);
 5. with the fastest of those, the forward walks loading ahead (timed forward), then the backward's
@@ -45,9 +47,11 @@ def shipped(D: int) -> Dict:
             "prefetch": (kernel.PREFETCH[False], kernel.PREFETCH[True]), "fused": kernel.FUSED[head]}
 
 
-def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: int, device: str) -> Dict:
+def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: int, device: str,
+              dtype_name: str = "bfloat16") -> Dict:
     """Under the configuration in force: the chunk and segments the kernel takes, its values and gradients
-    against ``ref`` (``gpu.compare``), and the median ms of ``mode`` ("fwd" or "fwdbwd") where they agree."""
+    against ``ref`` (``gpu.compare`` at ``dtype_name``'s tolerances), and the median ms of ``mode`` ("fwd" or
+    "fwdbwd") where they agree."""
     import torch
 
     from lion_fairseq.ops import kernel
@@ -59,7 +63,7 @@ def candidate(inputs: list, weight, ref: tuple, mode: str, warmup: int, iters: i
     if mode == "fwdbwd":  # the backward's chunks, in the forward's segments where they divide them
         cfg = kernel._backward_config(q, v, 64, None, cfg.Q * cfg.C if cfg.nseg > 1 else None)
     row = {"chunk": cfg.C, "segments": cfg.nseg}
-    row.update(compare(outputs(inputs, weight, "triton", False), ref, list(INPUT_NAMES), "bfloat16"))
+    row.update(compare(outputs(inputs, weight, "triton", False), ref, list(INPUT_NAMES), dtype_name))
     if not row["ok"]:
         return row
     row["ms"] = time_ms(timed_calls(runner("lion-s-triton"), inputs, torch.randn_like(v))[mode], warmup, iters,
@@ -81,12 +85,12 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
 
     inputs = make_inputs(B, H, L, D, torch.bfloat16, "token", grad=True, device=device)
     weight = torch.randn(B, H, L, D, device=device, generator=torch.Generator(device=device).manual_seed(1))
-    ref = outputs(inputs, weight, "torch", False)
+    bf16 = (inputs, outputs(inputs, weight, "torch", False), "bfloat16")
     ships = shipped(D)
     lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
 
     def one(pas: str, fwd, bwd, progs: int, st=ships["stages"], ahead=ships["prefetch"],
-            fused=ships["fused"]) -> Optional[Dict]:
+            fused=ships["fused"], data: tuple = bf16) -> Optional[Dict]:
         row = {"L": L, "B": B, "pass": pas, "forward": list(fwd), "backward": list(bwd), "programs": progs,
                "stages": list(st), "prefetch": list(ahead), "fused": fused}
         if over() or lost:
@@ -94,8 +98,8 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
         else:
             try:
                 with configured(D, fwd, bwd, progs, st, ahead, fused):
-                    row.update(candidate(inputs, weight, ref, "fwd" if pas.startswith("forward") else "fwdbwd",
-                                         warmup, iters, device))
+                    row.update(candidate(data[0], weight, data[1], "fwd" if pas.startswith("forward") else
+                                         "fwdbwd", warmup, iters, device, data[2]))
             except Exception as e:  # one candidate that does not compile or run: recorded, the rest goes on
                 row["error"] = repr(e)[:300]
                 reason = cuda_lost() if device == "cuda" else None
@@ -115,6 +119,12 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     b = fastest([one("backward", f["forward"], c, p) for p in programs for c in backward], ships)
     b = fastest([one("backward fused", f["forward"], c, b["programs"], fused=u) for u in (False, True)
                  for c in backward], b)
+    fp16 = None  # made only where it will run: one() records the rows as skipped otherwise
+    if not over() and not lost:
+        half = make_inputs(B, H, L, D, torch.float16, "token", grad=True, device=device)
+        fp16 = (half, outputs(half, weight, "torch", False), "float16")
+    for u in (False, True):
+        one("backward fused fp16", f["forward"], b["backward"], b["programs"], fused=u, data=fp16)
     fs = fastest([one("forward stages", f["forward"], ships["backward"], f["programs"], (n, ships["stages"][1]))
                   for n in stages], {"stages": ships["stages"]})["stages"][0]
     bs = fastest([one("backward stages", f["forward"], b["backward"], b["programs"], (fs, n), fused=b["fused"])
@@ -138,7 +148,7 @@ def best_rows(rows: List[Dict]) -> List[Dict]:
 
 def markdown(report: Dict) -> str:
     env, a = report["environment"], report["args"]
-    lines = ["# Tuning LION's Triton kernel: LION-S, bf16", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
+    lines = ["# Tuning LION's Triton kernel: LION-S, bf16 (fp16 where the pass says so)", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"`python -m lion_fairseq.benchmark.gpu --tune`: H = {a['heads']}, D = {a['dim']}, {a['tokens']} tokens "
              f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. Rows whose pass starts with "
              "'forward' time the forward alone; the others time forward+backward. The kernel ships with forward "
