@@ -232,6 +232,22 @@ def test_hydra_pretrain_then_finetune(spm_data, glue_data, tmp_path):
     assert records(out, "valid") and "valid_accuracy" in records(out, "valid")[-1]
 
 
+def test_hydra_glue_metric_overrides_compose_as_documented():
+    """Each task's metric overrides, as glue.yaml's header gives them, compose into the config (hydra's
+    ``--cfg job``: composed and printed, nothing run). Before, the criterion block lacked the keys and hydra
+    refused them ("Key 'report_mcc' is not in struct")."""
+    header = "#" + (RECIPES / "hydra" / "finetuning" / "glue.yaml").read_text().split("\n# Metrics:", 1)[1]
+    header = " ".join(line.lstrip("# ") for line in header.split("\n") if line.startswith("#"))
+    tasks = [[w.rstrip(".") for w in part.split() if "=" in w] for part in header.split(";")]
+    assert [len(t) for t in tasks] == [2, 2, 4], tasks  # CoLA; MRPC/QQP; STS-B
+    required = ["task.data=x", "task.num_classes=2", "checkpoint.restore_file=x", "optimization.max_update=10",
+                "lr_scheduler.warmup_updates=1"]
+    for overrides in tasks:
+        printed = hydra("finetuning", "glue", *required, *overrides, "--cfg", "job")
+        for key, value in (o.split("=") for o in overrides):
+            assert re.search(rf"^\s+{key.split('.')[-1]}: {value}$", printed, re.M), (key, printed[-3000:])
+
+
 def test_hydra_lm(wiki_data, tmp_path):
     out = hydra("lm", "wiki103", f"task.data={wiki_data}", f"checkpoint.save_dir={tmp_path}",
                 "model.decoder_layers=2", "model.decoder_embed_dim=128", "model.decoder_ffn_embed_dim=512",
