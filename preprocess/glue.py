@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> Path:
     specs = _column_specs(args)
     sp = vocab.load_spm(require_file(args.spm, "--spm"), "--spm")
     vocab.check_dict_matches(sp, require_file(args.dict, "--dict"), "--dict")
-    check_destdir(args.destdir, args.force)
+    check_destdir(args.destdir, args.force, [(args.train, "--train"), (args.dev, "--dev"), (args.test, "--test"),
+                                             (args.spm, "--spm"), (args.dict, "--dict")])
     files = {"train": (args.train, "--train"), "valid": (args.dev, "--dev")}
     if args.test is not None:
         files["test"] = (args.test, "--test")

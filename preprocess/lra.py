@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from preprocess.errors import PreprocessError, run_main
-from preprocess.staging import staged_destdir
+from preprocess.staging import check_destdir, staged_destdir
 
 log = logging.getLogger("preprocess")
 LISTOPS_VOCAB = tuple(str(d) for d in range(10)) + ("[MIN", "[MAX", "[MED", "[SM", "]")
@@ -291,6 +291,8 @@ def _three(args: argparse.Namespace, names: Tuple[str, str, str]) -> Dict[str, P
 
 
 def run(args: argparse.Namespace) -> Path:
+    check_destdir(args.destdir, args.force, [(getattr(args, name), f"--{name.replace('_', '-')}")
+                                             for name in ("input_dir", "imdb_dir", "train", "valid", "test")])
     if args.kind == "listops":
         files = _three(args, tuple(f"{args.prefix}_{s}.tsv" for s in ("train", "val", "test")))
         max_length = args.max_length or 2000

@@ -9,31 +9,45 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional, Tuple
 
 from preprocess.errors import PreprocessError
 
 log = logging.getLogger("preprocess")
 
+Inputs = Iterable[Tuple[Optional[Path], str]]  # (path or None, the option that named it)
 
-def check_destdir(destdir: Path, force: bool) -> None:
-    """Refuse to clobber existing output unless ``--force``; fairseq's preprocess splits paths on ','."""
-    if "," in str(destdir.resolve()):
+
+def check_destdir(destdir: Path, force: bool, inputs: Inputs = ()) -> None:
+    """Refuse to clobber existing output unless ``--force``, and even with it a folder that holds this run's
+    inputs or the current folder (replacing it would delete them); fairseq's preprocess splits paths on ','."""
+    destdir = Path(destdir)
+    where = destdir.resolve()
+    if "," in str(where):
         raise PreprocessError(f"--destdir: fairseq's preprocess splits paths on ',', so the path "
                               f"must not contain one: {destdir}")
-    if destdir.exists():
-        if not destdir.is_dir():
-            raise PreprocessError(f"--destdir: exists and is not a directory: {destdir}")
-        if any(destdir.iterdir()) and not force:
-            raise PreprocessError(f"--destdir: {destdir} already exists and is not empty; "
-                                  f"pass --force to replace it")
+    if not destdir.exists():
+        return
+    if not destdir.is_dir():
+        raise PreprocessError(f"--destdir: exists and is not a directory: {destdir}")
+    for path, option in inputs:
+        if path is not None and (where == Path(path).resolve() or where in Path(path).resolve().parents):
+            raise PreprocessError(f"--destdir: {destdir} holds this run's input ({option} {path}), which "
+                                  "replacing it would delete; write the output to another folder")
+    cwd = Path.cwd().resolve()
+    if where == cwd or where in cwd.parents:
+        raise PreprocessError(f"--destdir: {destdir} is the current folder or holds it, which replacing it "
+                              "would delete; name a folder of its own, e.g. data-bin/NAME")
+    if any(destdir.iterdir()) and not force:
+        raise PreprocessError(f"--destdir: {destdir} already exists and is not empty; "
+                              f"pass --force to replace it")
 
 
 @contextmanager
-def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
+def staged_destdir(destdir: Path, force: bool = False, inputs: Inputs = ()) -> Iterator[Path]:
     """Yield an empty staging folder; on normal exit it becomes ``destdir``, on error it is removed."""
     destdir = Path(destdir)
-    check_destdir(destdir, force)
+    check_destdir(destdir, force, inputs)
     destdir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.partial-", dir=destdir.parent))
     umask = os.umask(0)

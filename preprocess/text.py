@@ -142,7 +142,9 @@ def run(args: argparse.Namespace) -> Path:
         log.info("reusing %s: --vocab-size, --model-type and --character-coverage are not used",
                  args.spm_model)
     spm_options = vocab.parse_spm_options(args.spm_option)
-    check_destdir(args.destdir, args.force)
+    # --spm-model is left out: the output keeps a copy of it at the same place
+    texts = [(path, f"--{name}") for name in ("input", "valid", "test") for path in getattr(args, name) or []]
+    check_destdir(args.destdir, args.force, texts)
 
     with staged_destdir(args.destdir, args.force) as stage:
         work = stage / "_work"

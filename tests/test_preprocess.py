@@ -344,3 +344,30 @@ def test_glue_rejects_dict_of_another_model(glue_tsvs, text_bin, tmp_path, capsy
     err = capsys.readouterr().err
     assert rc == 1 and "does not match the sentencepiece model: line 1" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_force_never_replaces_a_folder_that_holds_the_inputs_or_the_current_one(glue_tsvs, text_bin, corpus,
+                                                                                 tmp_path, capsys, monkeypatch):
+    """--force replaces earlier output, not the pretraining data a GLUE run reads its --spm and --dict from,
+    nor the folder of the TSVs or texts, nor the current folder: each of those is refused with the input it
+    holds named, and left as it was (before, the pretraining binaries or the TSVs were deleted, exit 0)."""
+    root, _, _, _ = glue_tsvs
+    pre, raw = tmp_path / "pre", tmp_path / "raw"
+    shutil.copytree(text_bin, pre)
+    shutil.copytree(root, raw)
+    shutil.copy(corpus[0] / "a.txt", raw / "a.txt")
+    snapshot = lambda d: sorted((p.name, p.stat().st_size) for p in d.iterdir())  # noqa: E731
+    before = snapshot(pre), snapshot(raw)
+    glue = ["--train", str(raw / "train.tsv"), "--dev", str(raw / "dev.tsv"), "--spm",
+            str(pre / "sentencepiece.bpe.model"), "--dict", str(pre / "dict.txt"), "--columns",
+            "sentence1,sentence2,label", "--force"]
+    for destdir, option in ((pre, "--spm"), (raw, "--train")):
+        assert glue_cli.main(glue + ["--destdir", str(destdir)]) == 1
+        err = capsys.readouterr().err
+        assert f"holds this run's input ({option}" in err and "another folder" in err, err
+    assert text_cli.main(["--input", str(raw / "a.txt"), "--destdir", str(raw), "--force"]) == 1
+    assert "holds this run's input (--input" in capsys.readouterr().err
+    monkeypatch.chdir(raw)
+    assert text_cli.main(["--input", str(corpus[0] / "a.txt"), "--destdir", ".", "--force"]) == 1
+    assert "is the current folder" in capsys.readouterr().err
+    assert (snapshot(pre), snapshot(raw)) == before and leftovers(tmp_path) == [] and leftovers(raw) == []

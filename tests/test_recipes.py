@@ -124,6 +124,13 @@ def test_glue_prepare_layouts(glue_data, spm_data, tmp_path):
     assert not cola["pair"] and cola["classes"] == ["0", "1"] and cola["rows"]["train"] == 40
     out = run(["bash", RECIPES / "glue/prepare.sh", "BoolQ", tmp_path, spm_data, tmp_path / "x"], ok=False)
     assert "unknown TASK 'BoolQ'" in out
+    # an earlier output is replaced; a swapped argument naming the pretraining data or the TSVs' folder as
+    # DEST_DIR is refused, and that folder left as it was (it used to be replaced: --force on every run)
+    run(["bash", RECIPES / "glue/prepare.sh", "CoLA", tmp_path / "CoLA", spm_data, tmp_path / "CoLA-bin"])
+    for dest in (spm_data, tmp_path / "CoLA"):
+        before = sorted(p.name for p in dest.iterdir())
+        out = run(["bash", RECIPES / "glue/prepare.sh", "CoLA", tmp_path / "CoLA", spm_data, dest], ok=False)
+        assert "is not an earlier output of this script" in out and sorted(p.name for p in dest.iterdir()) == before
 
 
 def test_glue_finetune_from_pretrained(glue_data, mlm, tmp_path):

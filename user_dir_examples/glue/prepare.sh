@@ -25,7 +25,15 @@ esac
 for f in "$DIR/train.tsv" "$DIR/$DEV" "$PRE/sentencepiece.bpe.model" "$PRE/dict.txt"; do
   [ -f "$f" ] || die "missing $f"
 done
+# an earlier run's output is replaced; any other non-empty folder is left alone (a swapped argument must
+# not delete the pretraining data or the GLUE download)
+FORCE=()
+if [ -f "$DEST/preprocess.json" ] && [ -d "$DEST/input0" ]; then
+  FORCE=(--force)
+elif [ -d "$DEST" ] && [ -n "$(ls -A "$DEST")" ]; then
+  die "DEST_DIR $DEST exists and is not an earlier output of this script: remove it or name a new folder"
+fi
 # preprocess/ lives in the checkout root
 PYTHONPATH="$RECIPES_ROOT${PYTHONPATH:+:$PYTHONPATH}" run python -m preprocess.glue \
   --train "$DIR/train.tsv" --dev "$DIR/$DEV" --spm "$PRE/sentencepiece.bpe.model" --dict "$PRE/dict.txt" \
-  --columns "$COLUMNS" ${EXTRA[@]+"${EXTRA[@]}"} --destdir "$DEST" --workers "${WORKERS:-4}" --force
+  --columns "$COLUMNS" ${EXTRA[@]+"${EXTRA[@]}"} --destdir "$DEST" --workers "${WORKERS:-4}" ${FORCE[@]+"${FORCE[@]}"}
