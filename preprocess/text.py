@@ -4,7 +4,7 @@ Output in ``--destdir``: ``train``, ``valid``, ``test`` (``.bin``/``.idx``, one 
 blank lines kept as document breaks), ``dict.txt`` (fairseq id == sentencepiece id),
 ``sentencepiece.bpe.model``/``.vocab``, ``preprocess.json`` (what was done) and fairseq's
 ``preprocess.log``. Valid and test come from ``--valid``/``--test`` files or, by default, from the
-end of the input (contiguous, so no document leaks across splits).
+end of the input (contiguous spans; a cut falls between lines, so a document may straddle it).
 """
 import argparse
 import json
