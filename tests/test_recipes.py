@@ -178,11 +178,16 @@ def test_lm_train_eval_generate(wiki_data, tmp_path):
     assert cfg["model"]["_name"] == "lion_s_lm_tiny" and cfg["model"]["share_decoder_input_output_embed"]
 
     out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt, "--num-workers", "0"],
-              FORM="recurrent", TOKENS_PER_SAMPLE="64", CONTEXT_WINDOW="32")
-    assert "{'lion_form': 'recurrent'}" in out.replace("\\", "")
+              FORM="recurrent", TOKENS_PER_SAMPLE="64")
+    assert "{'lion_form': 'recurrent'}" in out.replace("\\", "") and "--context-window 50 " in out
     loss = float(re.search(r"Loss \(base 2\): ([0-9.]+)", out).group(1))
     vocab = sum(1 for _ in open(wiki_data / "dict.txt")) + 4
     assert 1.0 < loss < math.log2(vocab) + 3  # trained for 5 updates: near, not far above, uniform
+    # a context window as long as the blocks leaves nothing to score: refused before fairseq (it crashed
+    # there with "negative dimensions are not allowed" or a ZeroDivisionError)
+    out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt], ok=False, TOKENS_PER_SAMPLE="64",
+              CONTEXT_WINDOW="64")
+    assert "CONTEXT_WINDOW (64) must be a whole number below TOKENS_PER_SAMPLE (64)" in out
 
     # MAX_LEN counts new tokens: a prompt longer than it comes back whole and continued (fairseq's
     # --max-len-b alone would cut it to its first MAX_LEN tokens); --min-len (which counts the prompt) at
