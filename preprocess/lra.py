@@ -194,7 +194,10 @@ def pathfinder_index(root: Path) -> List[Tuple[Path, int]]:
     meta = root / "metadata"
     files = sorted(meta.glob("*.npy"), key=lambda p: (int(p.stem) if p.stem.isdigit() else 1 << 62, p.stem))
     if not files:
-        raise PreprocessError(f"no metadata/*.npy under {root}")
+        parent = root.parent  # --input-dir: which difficulties it does hold
+        found = sorted(p.name for p in parent.iterdir() if (p / "metadata").is_dir()) if parent.is_dir() else []
+        hint = f"; --input-dir holds {', '.join(found)}: pass --difficulty {found[0]}" if found else ""
+        raise PreprocessError(f"no metadata/*.npy under {root}{hint}")
     out = []
     for mf in files:
         for n, line in enumerate(mf.read_text().splitlines(), start=1):

@@ -154,12 +154,16 @@ def test_generators_have_a_help(capsys):
         assert exit_info.value.code == 0 and "--output-dir" in capsys.readouterr().out
 
 
-def test_pathfinder_generator_writes_the_release_layout(tmp_path):
+def test_pathfinder_generator_writes_the_release_layout(tmp_path, capsys):
     written = pathfinder.write_release(tmp_path, 6, size=32, per_folder=4, seed=1)
-    lines = (tmp_path / "curv_baseline" / "metadata" / "1.npy").read_text().split("\n")
+    lines = (tmp_path / "curv_contour_length_14" / "metadata" / "1.npy").read_text().split("\n")
     assert lines[0].split()[:2] == ["imgs/1", "sample_4.png"]
-    index = prep.pathfinder_index(tmp_path / "curv_baseline")
+    index = prep.pathfinder_index(tmp_path / "curv_contour_length_14")
     assert [(p, label) for p, label in index] == written
+    # another difficulty than the folder holds: the message names the one it does
+    assert prep.main(["pathfinder", "--input-dir", str(tmp_path), "--difficulty", "curv_baseline", "--destdir",
+                      str(tmp_path / "bin")]) == 1
+    assert "holds curv_contour_length_14: pass --difficulty curv_contour_length_14" in capsys.readouterr().err
     img = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(written[0][0]))
     assert img.shape == (32, 32) and img.max() == 255 and (img == 0).mean() > 0.5
 
@@ -331,7 +335,8 @@ def test_hydra_model_name_of_an_arch_keeps_its_dropout(tmp_path):
 
 
 def test_pathfinder_png_folders_to_training_in_snake_order(tmp_path):
-    pathfinder.write_release(tmp_path / "pathfinder32", 20, size=32, seed=2, difficulty="curv_contour_length_14")
+    # the generator's and the preprocessing's default difficulties are the same folder
+    pathfinder.write_release(tmp_path / "pathfinder32", 20, size=32, seed=2)
     data = _preprocess("pathfinder", "--input-dir", str(tmp_path / "pathfinder32"), "--destdir", str(tmp_path / "bin"))
     meta = json.loads((data / "lra.json").read_text())
     assert meta["max_length"] == 1024 and [meta["splits"][s]["items"] for s in ("train", "valid", "test")] == [16, 2, 2]
@@ -343,7 +348,7 @@ def test_pathfinder_png_folders_to_training_in_snake_order(tmp_path):
 
 
 def test_pathx_128px_trains_with_two_snakes(tmp_path):
-    pathfinder.write_release(tmp_path / "pathfinder128", 10, size=128, seed=3)
+    pathfinder.write_release(tmp_path / "pathfinder128", 10, size=128, seed=3, difficulty="curv_baseline")
     data = _preprocess("pathfinder", "--input-dir", str(tmp_path / "pathfinder128"), "--difficulty", "curv_baseline",
                        "--destdir", str(tmp_path / "bin"))
     out = _train(data, tmp_path / "ck", "lra_pathx", "--arch", "lion_s_lra_tiny", "--lion-order", "two_snake",

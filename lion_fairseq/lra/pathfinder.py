@@ -74,8 +74,12 @@ def sample(rng: np.random.Generator, size: int = 32, connected: Optional[bool] =
     return img, int(connected)
 
 
+# the sub-folder written: the one LRA reports and ``python -m preprocess.lra pathfinder`` reads by default
+DIFFICULTY = "curv_contour_length_14"
+
+
 def write_release(output_dir: Path, num: int, size: int = 32, per_folder: int = 1000, seed: int = 0,
-                  difficulty: str = "curv_baseline", **kwargs) -> List[Tuple[Path, int]]:
+                  difficulty: str = DIFFICULTY, **kwargs) -> List[Tuple[Path, int]]:
     """Write ``num`` images and their metadata under ``output_dir/difficulty``; returns (path, label)."""
     from PIL import Image
 
@@ -105,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--curve-length", type=int, default=None, help="pixels per curve (default 1.5 x size)")
     p.add_argument("--distractors", type=int, default=1, help="extra curves without markers")
     p.add_argument("--per-folder", type=int, default=1000)
-    p.add_argument("--difficulty", default="curv_baseline", help="sub-folder name, as in the release")
+    p.add_argument("--difficulty", default=DIFFICULTY, help="sub-folder name, as in the release")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.size < 8:
