@@ -174,6 +174,31 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin):
     for filled, _, word in out:
         assert word in hub.task.source_dictionary.symbols
         assert filled == f"the value of the {word} is returned"
+    # each probability is the model's own for its token, and special symbols fill nothing, with a BPE too:
+    # fairseq's hub dropped a </s> ranked first from the tokens only, pairing each token after it with the
+    # probability of the rank above (a BPE that is not the whitespace stand-in takes that path)
+    d = hub.task.source_dictionary
+    boosted = LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(text_data_bin))
+    boosted.model.encoder.lm_head.bias.data[d.eos()] += 10.0  # </s> the model's first choice
+
+    class Words:
+        def encode(self, x: str) -> str:
+            return " ".join(x.split())
+
+        def decode(self, x: str) -> str:
+            return x
+
+    masked = hub.encode("the value of the <mask> is returned")
+    at = int((masked == boosted.task.mask_idx).nonzero()[0])
+    with torch.no_grad():
+        boosted.model.eval()
+        prob = boosted.model(masked.unsqueeze(0))[0][0, at].float().softmax(-1)
+    assert int(prob.argmax()) == d.eos()
+    for bpe in (boosted.bpe, Words()):
+        boosted.bpe = bpe
+        out = boosted.fill_mask("the value of the <mask> is returned", topk=5)
+        assert len(out) == 5 and all(d.index(word.strip()) >= d.nspecial for _, _, word in out), out
+        assert [p for _, p, _ in out] == pytest.approx([float(prob[d.index(w.strip())]) for _, _, w in out], rel=1e-5)
     tokens = hub.encode("the value of the object is returned")
     assert tokens[0] == hub.task.source_dictionary.bos() and len(tokens) == 9
     assert hub.extract_features(tokens).shape == (1, 9, 128)

@@ -10,7 +10,7 @@ attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retne
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -202,23 +202,41 @@ class LionHubInterface(RobertaHubInterface):
         if self.bpe is None:
             self.bpe = _WhitespaceTokens()
 
-    def fill_mask(self, masked_input: str, topk: int = 5):
+    def fill_mask(self, masked_input: str, topk: int = 5) -> List[Tuple[str, float, str]]:
         """Top-k fillers of the single ``<mask>`` in ``masked_input``: a list of (filled sentence,
-        probability, token), most probable first."""
-        if not isinstance(self.bpe, _WhitespaceTokens):
-            return super().fill_mask(masked_input, topk=topk)
+        probability, token), most probable first. The probabilities are the model's over its whole
+        vocabulary; the special symbols (``</s>``, ``<unk>``, ...) fill nothing and are passed over, so the
+        list has ``topk`` entries. (fairseq's RoBERTa hub dropped them from the tokens but not from the
+        probabilities: every token after one came with the probability of the rank above it.) With a BPE,
+        the token is decoded as fairseq's hub gives it (with its leading space where it starts a word)."""
         if masked_input.count("<mask>") != 1:
             raise ValueError(f"fill_mask needs exactly one <mask> in its input; got {masked_input!r}")
-        tokens = self.encode(masked_input)
-        masked_index = (tokens == self.task.mask_idx).nonzero(as_tuple=False).view(-1)
+        mask_idx = getattr(self.task, "mask_idx", None)
+        if mask_idx is None:
+            raise ValueError(f"fill_mask needs a masked-LM checkpoint (--task masked_lm); this one was trained "
+                             f"with --task {getattr(getattr(self.cfg, 'task', None), '_name', '?')}, whose model "
+                             "has no <mask> to fill")
+        d = self.task.source_dictionary
+        spans = " <mask> ".join(self.bpe.encode(span.rstrip()) for span in masked_input.split("<mask>")).strip()
+        tokens = d.encode_line("<s> " + spans + " </s>", append_eos=False, add_if_not_exist=False).long()
+        at = int((tokens == mask_idx).nonzero(as_tuple=False)[0])
         with utils.model_eval(self.model), torch.no_grad():
             logits, _ = self.model(tokens.unsqueeze(0).to(device=self.device), features_only=False)
-        prob = logits[0, masked_index[0]].float().softmax(dim=-1)
-        values, index = prob.topk(k=topk)
+        prob = logits[0, at].float().softmax(dim=-1)
+        fills = torch.ones_like(prob, dtype=torch.bool)
+        fills[:d.nspecial] = False
+        fills[mask_idx] = False
+        values, index = prob.masked_fill(~fills, -1.0).topk(k=min(topk, int(fills.sum())))
+        whitespace = isinstance(self.bpe, _WhitespaceTokens)
         out = []
         for p, i in zip(values.tolist(), index.tolist()):
-            word = self.task.source_dictionary[i]
-            out.append((masked_input.replace("<mask>", word), p, word))
+            piece = d[i]
+            if whitespace:
+                out.append((masked_input.replace("<mask>", piece), p, piece))
+                continue
+            word = (" " if piece.startswith("\u2581") else "") + self.bpe.decode(piece)
+            where = " <mask>" if " <mask>" in masked_input else "<mask>"
+            out.append((masked_input.replace(where, word), p, word))
         return out
 
 
