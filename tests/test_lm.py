@@ -163,6 +163,22 @@ def test_beam_search_scores_equal_parallel_forward(trained, text_data_bin):
     assert checked == 4 * len(prompts)
 
 
+def test_from_pretrained_refuses_another_model_and_a_missing_folder(trained, text_data_bin):
+    """A checkpoint of another kind than the class asked is refused naming the class to use (a translation
+    hub ran the LM and returned its continuation as the translation); a folder that does not exist is named
+    (fairseq raised a TypeError about None)."""
+    from lion_fairseq import LionLanguageModel, LionRobertaModel, LionTransformerModel
+
+    ckpt, _ = trained
+    for cls in (LionTransformerModel, LionRobertaModel):
+        with pytest.raises(TypeError, match="holds a LionLanguageModel .*load it with LionLanguageModel"):
+            cls.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin))
+    for args in ((str(ckpt.parent / "nope"), ckpt.name, str(text_data_bin)),
+                 (str(ckpt.parent), ckpt.name, str(text_data_bin / "nope"))):
+        with pytest.raises(FileNotFoundError, match=r"from_pretrained: the (checkpoint's|data) folder .*nope does not"):
+            LionLanguageModel.from_pretrained(*args)
+
+
 def test_hub_sample_and_interactive(trained, text_data_bin):
     ckpt, _ = trained
     hub = load_hub(ckpt, text_data_bin)

@@ -84,6 +84,30 @@ class ContinuationHubInterface(GeneratorHubInterface):
         return [h for h in outputs if h is not None]
 
 
+def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_name_or_path: str,
+                    **kwargs) -> Dict:
+    """fairseq's ``hub_utils.from_pretrained`` for ``cls`` (``{"args", "task", "models"}``), with a clear
+    error where fairseq gives a ``TypeError`` (a folder that does not exist) or where the checkpoint holds
+    another kind of model than ``cls`` (it would build that model and run it through ``cls``'s hub: an LM's
+    continuation returned as a translation, say)."""
+    from fairseq import hub_utils
+
+    for path, what in ((model_name_or_path, "the checkpoint's folder"), (data_name_or_path, "the data folder")):
+        if path and "://" not in str(path) and path not in cls.hub_models() and not os.path.exists(path):
+            raise FileNotFoundError(f"{cls.__name__}.from_pretrained: {what} {path} does not exist")
+    x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                  archive_map=cls.hub_models(), **kwargs)
+    model = x["models"][0]
+    if not isinstance(model, cls):
+        found = type(model).__name__
+        name = getattr(getattr(x["args"], "model", None), "_name", "?")
+        fix = (f"load it with {found}.from_pretrained" if type(model).__module__.startswith("lion_fairseq") else
+               "it is not a LION model: python -m lion_fairseq.convert makes one from a softmax checkpoint")
+        raise TypeError(f"{cls.__name__}.from_pretrained: {os.path.join(model_name_or_path, checkpoint_file)} holds "
+                        f"a {found} (model {name!r}), not a {cls.__name__}: {fix}")
+    return x
+
+
 class DataBpeHub:
     """Mixin for fairseq models whose ``from_pretrained`` gives a ``GeneratorHubInterface``
     (``sample``/``generate``, ``translate``; the class in ``hub_interface``): with no BPE passed or named by
@@ -94,10 +118,7 @@ class DataBpeHub:
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
                         data_name_or_path: str = ".", **kwargs) -> GeneratorHubInterface:
-        from fairseq import hub_utils
-
-        x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
-                                      archive_map=cls.hub_models(), **kwargs)
+        x = load_pretrained(cls, model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
         hub = cls.hub_interface(x["args"], x["task"], x["models"])
         bpe_from_data(hub, [getattr(hub.cfg.task, "data", None), model_name_or_path])
         return hub

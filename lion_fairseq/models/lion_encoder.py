@@ -28,7 +28,7 @@ from torch import Tensor
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
 from .convert import is_softmax_roberta, softmax_to_lion
-from .hub import bpe_from_data
+from .hub import bpe_from_data, load_pretrained
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
                            lion_positions, set_unset, set_unset_from)
 
@@ -281,12 +281,10 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
         with the ``sentencepiece.bpe.model`` that ``preprocess.text`` wrote into the data folder (or one
         beside the checkpoint), else split on whitespace into dictionary units (word-level data).
         ``model_overrides``-style keys go in kwargs, e.g. ``lion_form="recurrent"``."""
-        from fairseq import hub_utils
-
         if bpe is not None:
             kwargs["bpe"] = bpe
-        x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
-                                      archive_map=cls.hub_models(), load_checkpoint_heads=True, **kwargs)
+        x = load_pretrained(cls, model_name_or_path, checkpoint_file, data_name_or_path, load_checkpoint_heads=True,
+                            **kwargs)
         return LionHubInterface(x["args"], x["task"], x["models"][0], folders=[model_name_or_path])
 
 
