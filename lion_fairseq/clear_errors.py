@@ -7,7 +7,8 @@ model's positions. Each says what is wrong and what to pass; none changes what a
 fairseq functions so that their failures carry such a message (the original error stays chained):
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
 ``models.DistributedFairseqModel``, ``Trainer.load_checkpoint`` (whose own 'please ensure that the
-architectures match' would otherwise be the last line a user reads) and
+architectures match' would otherwise be the last line a user reads, and which starts from random weights
+where a ``--restore-file`` given with ``--reset-*`` options does not exist) and
 ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line). Without ``--user-dir`` nothing of this package runs, so fairseq's own
 ``KeyError: "'_name'"`` cannot be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains
 any checkpoint (missing, truncated, which model and arch, what to pass).
@@ -291,11 +292,31 @@ def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tenso
                "Pass the checkpoint's own --arch and size options."))
 
 
+def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional[str]:
+    """What to say where fairseq would train from random weights because ``--restore-file`` names a file that
+    does not exist, though ``--reset-*`` options say the run is to start from it (without them, a missing
+    file is how a resumable run's first launch starts fresh, as with the default checkpoint_last.pt)."""
+    from fairseq.file_io import PathManager
+
+    resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
+                                                         "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
+    if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" or not resets \
+            or PathManager.isfile(filename):
+        return None
+    return (f"--restore-file {filename} does not exist. With {' '.join(resets)} the run starts from that "
+            "checkpoint, and fairseq would train from random weights instead: correct the path (or leave "
+            "--restore-file out to train from scratch)")
+
+
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
-    line a user reads: where the cause is this plugin's message, that message is raised last instead."""
+    line a user reads: where the cause is this plugin's message, that message is raised last instead. A
+    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it."""
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
+        missing = missing_restore_file_message(filename, self.cfg.checkpoint)
+        if missing:
+            raise FileNotFoundError(missing)
         try:
             return original(self, filename, *args, **kwargs)
         except Exception as e:

@@ -292,6 +292,23 @@ def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
     assert "learned positions: the checkpoint has 64 and the model 512; pass --max-positions 64" in last, last
 
 
+def test_missing_restore_file_with_resets_is_refused(mlm, text_data_bin, tmp_path):
+    """The README's fine-tuning command with a mistyped --restore-file: fairseq logged 'No existing
+    checkpoint found' and fine-tuned a randomly initialised encoder; now it stops, naming the path."""
+    mlm_save, _ = mlm("s")
+    data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
+    typo = mlm_save.parent / (mlm_save.name + "x") / "checkpoint_last.pt"
+    with pytest.raises(AssertionError) as failed:
+        fairseq_cli("train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion",
+                    "sentence_prediction", "--arch", "lion_s_tiny", "--num-classes", "2", "--init-token", "0",
+                    "--separator-token", "2", "--max-positions", "64", "--restore-file", str(typo),
+                    "--reset-optimizer", "--reset-dataloader", "--reset-meters", "--batch-size", "8",
+                    "--max-update", "1", "--save-dir", str(tmp_path / "ft"))
+    assert f"--restore-file {typo} does not exist. With --reset-optimizer --reset-meters --reset-dataloader" in str(
+        failed.value)
+    assert not (tmp_path / "ft").exists() or not list((tmp_path / "ft").glob("*.pt"))
+
+
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     from lion_fairseq.clear_errors import first_difference
     from conftest import build_model
