@@ -132,6 +132,9 @@ def test_model_overrides_switch_the_form_in_fairseq_validate(mlm, text_data_bin)
     out = proc.stdout + proc.stderr
     validated = float(re.search(r"valid on 'valid' subset \| loss ([0-9.]+)", out).group(1))
     assert abs(validated - trained) <= 2e-3, (trained, validated)
+    # the log names what ran: training's validation in the recurrent form went block by block
+    assert "LION attention: recurrent form at inference, blockwise: blocks of 256 tokens" in log
+    assert "LION attention: parallel form, cpu, float32 inputs" in out
 
 
 @pytest.mark.parametrize("variant", ("d", "s"))

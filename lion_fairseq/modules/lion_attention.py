@@ -1,5 +1,7 @@
 """LionAttention: projections, feature map and decay gates around ``lion_fairseq.ops``, in fairseq's
 ``T x B x C`` layout, with incremental (recurrent) decoding state."""
+import functools
+import logging
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -11,6 +13,8 @@ from torch import Tensor
 from ..ops import FORMS, block_attention, causal_state, lion_attention, lion_step, state_after, state_before
 from ..ops.float32 import float32_math
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
+
+logger = logging.getLogger(__name__)
 
 VARIANTS = ("lit", "d", "s")
 DEFAULT_FEATURE_MAP = {"lit": "elu", "d": "silu_norm", "s": "silu_norm"}
@@ -336,6 +340,7 @@ class LionAttention(nn.Module):
         bool, True at padding."""
         if self.causal:
             raise ValueError("blockwise inference is for bidirectional LionAttention")
+        _log_blockwise(block)
         edges = list(range(0, T, block)) + [T]
         n = len(edges) - 1
         mask = (lambda s, e: key_padding_mask[:, s:e]) if key_padding_mask is not None else (lambda s, e: None)
@@ -394,3 +399,11 @@ class LionAttention(nn.Module):
             if i + 1 < n:
                 left = state_after(left, k, v, f, mask(s, e))
             yield s, e, self._output(y, x)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_blockwise(block: int) -> None:
+    """Once per process: the ops' own log line names the chunk form that runs inside each block, which
+    alone reads as if a ``--model-overrides`` to the recurrent form had been ignored."""
+    logger.info(f"LION attention: recurrent form at inference, blockwise: blocks of {block} tokens, each "
+                "direction's state carried from block to block (inside a block, the chunk form)")
