@@ -24,8 +24,9 @@ from .workspace import workspace
 
 # Tokens per block of chunks. On a CPU, the block's C x C matrices (4 * BLOCK_TOKENS * C bytes each) stay in
 # its cache between the ops that touch them. On a GPU each op of a block is a kernel launch, and blocks of
-# 4096 tokens left the form launch-bound (an H200 took 88-175 ms for a forward of 32768 tokens x 12 heads,
-# about 1000 launches), so a block there is as large as its C x C temporaries allow (64 MiB each at C = 64).
+# 4096 tokens left the form launch-bound (an H200 took 87-175 ms for a forward of 32768 tokens x 12 heads,
+# thousands of launches: about 6000 ops that are not views at B = 8, L = 4096), so a block there is as large
+# as its C x C temporaries allow (64 MiB each at C = 64).
 BLOCK_TOKENS = 4096
 BLOCK_TOKENS_GPU = 1 << 18
 
