@@ -422,6 +422,24 @@ def test_unavailable_backend_says_why_once_and_falls_back(monkeypatch):
     assert y.dtype == torch.float64 and max_err(y, ref, ref.abs().max()) < 1e-10
 
 
+def test_mixed_input_dtypes_are_judged_by_the_dtype_they_promote_to():
+    """float64 q with float32 k and v: the kernel would read all three as float64, which it does not take;
+    it used to judge by v's dtype alone and run its float16 products on them (errors of 3e-4 instead of
+    1e-7). Now the call falls back, and the kernel itself refuses mixed or unknown dtypes."""
+    backend_mod._warn_once.cache_clear()
+    q, k, v, f, b = make_inputs(40, "token")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = lion_attention(q, k.float(), v.float(), f, b, form="chunk", backend="triton", chunk_size=16)
+    assert any("float64" in str(w.message) for w in caught if "Triton kernel" in str(w.message))
+    ref = reference_attention(q, k.float().double(), v.float().double(), f, b)
+    assert y.dtype == torch.float32 and max_err(y, ref, ref.abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="one dtype of"):
+        kernel(q.float(), k.half(), v.float(), f.float(), b.float())
+    with pytest.raises(ValueError, match="one dtype of"):
+        kernel(q, k, v, f.float(), b.float())
+
+
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])
 def test_layer_on_the_kernel(variant, monkeypatch):
     """A LionAttention layer (fairseq's ``T x B x C``, padding, gates from its own parameters) gives the same

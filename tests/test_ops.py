@@ -390,6 +390,18 @@ def test_causal_state_takes_a_gate_of_zero_as_lion_attention_does():
     assert rel_err(S, S_ref) < 1e-6 and rel_err(z, z_ref) < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 5, 4), (2, 0, 5, 4), (2, 2, 0, 4)])
+@pytest.mark.parametrize("form", FORMS)
+def test_empty_batch_heads_or_length_give_an_empty_output(form, shape):
+    """B, H or L of 0: an empty output of v's shape and dtype whose backward runs, in every form (the chunk
+    form divided by zero at L = 0, the recurrent form's backward failed, the kernel at B or H = 0)."""
+    q, k, v = (torch.rand(shape, requires_grad=True) for _ in range(3))
+    f = torch.zeros(shape[:3])
+    y = lion_attention(q, k, v, f, f, form=form, key_padding_mask=torch.zeros(shape[0], shape[2], dtype=torch.bool))
+    assert y.shape == shape and y.dtype == v.dtype
+    y.sum().backward()
+
+
 def test_bad_arguments_name_the_argument():
     q, k, v, f, b = make_inputs(5, "token")
     with pytest.raises(ValueError, match="form"):

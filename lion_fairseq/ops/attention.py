@@ -109,13 +109,17 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         raise ValueError(f"backend must be None or one of {BACKENDS}; got {backend!r}")
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     out_dtype = v.dtype
-    which = chunk_backend(backend, v, (q.shape[-1], v.shape[-1]), fla_available, fla_unavailable) \
+    if 0 in (B, H, L, q.shape[-1], v.shape[-1]):  # nothing to attend to, or nothing to read: y = 0
+        return v * 0
+    # the kernel reads q, k and v in the one dtype they promote to: that dtype decides whether it can run
+    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    probe = v if v.dtype == common else v.new_empty(0, dtype=common)
+    which = chunk_backend(backend, probe, (q.shape[-1], v.shape[-1]), fla_available, fla_unavailable) \
         if form == "chunk" else "torch"
     _log_what_runs(form, chunk_size, which, v.device.type, v.dtype)
     if which == "triton":
         from .kernel import kernel_attention
 
-        common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         f, b = (_gate(g, n, B, H, L, torch.float32, expand=False)
                 for g, n in ((log_a_fwd, "log_a_fwd"), (log_a_bwd, "log_a_bwd")))
         y = kernel_attention(q.to(common), k.to(common), v.to(common), f, b, causal, normalize, key_padding_mask,

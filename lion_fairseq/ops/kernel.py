@@ -997,6 +997,9 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor
     ``(B, H, L, Dv)`` in v's dtype; differentiable in q, k, v and the gates. ``chunk_size`` is rounded to a
     power of two of at least 16 and capped by ``BLOCKS``; ``segment_chunks``: chunks per segment (default: enough segments to fill
     the GPU)."""
+    if not q.dtype == k.dtype == v.dtype or v.dtype not in DTYPES:
+        raise ValueError(f"kernel_attention takes q, k and v of one dtype of {DTYPES}; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     q, k, v = (_addressable(x) for x in (q, k, v))
     pad = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
     if causal:
