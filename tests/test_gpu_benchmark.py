@@ -41,7 +41,8 @@ def test_refuses_clearly_without_cuda(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("L,dtype,causal,gates", [(33, "float32", False, "token"), (1, "bfloat16", True, "head"),
-                                                  (20, "bfloat16", False, "none"), (33, "float16", True, "token")])
+                                                  (20, "bfloat16", False, "none"), (33, "float16", True, "token"),
+                                                  (40, "float16", False, "strong")])
 def test_check_compares_the_kernel_with_the_pytorch_form(L, dtype, causal, gates):
     c = gpu.check(L, dtype, causal, gates, device="cpu", B=1, H=2, D=16)
     assert c["ok"] and c["finite"], c
@@ -63,7 +64,8 @@ def test_check_cases_cover_every_gate_kind_in_both_16_bit_dtypes():
     """fairseq-train's --fp16 and --amp feed the kernel float16, fairseq-hydra-train's bf16 bfloat16: a GPU
     check that leaves either out would let the default on CUDA change unchecked for those users."""
     cases = gpu.check_cases([1, 1000])
-    every = {(L, ca, g) for L in (1, 1000) for ca in (False, True) for g in gpu.GATES}
+    every = {(L, ca, g) for L in (1, 1000) for ca in (False, True) for g in gpu.GATES + ("strong",)} - {
+        (1, ca, "strong") for ca in (False, True)}
     for dtype in ("bfloat16", "float16"):
         assert {(c[0], c[2], c[3]) for c in cases if c[1] == dtype} == every
     assert {c[0] for c in cases} == {1, 1000}

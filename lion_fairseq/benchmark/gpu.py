@@ -112,7 +112,9 @@ def environment() -> Dict[str, str]:
 def make_inputs(B: int, H: int, L: int, D: int, dtype, gates: str = "token", seed: int = 0, grad: bool = False,
                 device: str = "cuda"):
     """q, k as LION-D/S's feature map leaves them (positive, unit norm), v signed, log-gates in float32:
-    ``(B, H, L)`` per token, ``(H, 1)`` per head, or None."""
+    ``(B, H, L)`` per token, ``(H, 1)`` per head, or None; ``"strong"``: per token near -3, so that each
+    row is nearly its own diagonal term (the gradients of q and k are then small residues of cancelling
+    terms, where 16-bit products show their rounding most)."""
     import torch
     import torch.nn.functional as F
 
@@ -120,9 +122,10 @@ def make_inputs(B: int, H: int, L: int, D: int, dtype, gates: str = "token", see
     q = F.normalize(torch.rand(B, H, L, D, device=device, generator=g) + 0.1, dim=-1).to(dtype)
     k = F.normalize(torch.rand(B, H, L, D, device=device, generator=g) + 0.1, dim=-1).to(dtype)
     v = torch.randn(B, H, L, D, device=device, generator=g).to(dtype)
-    shape = {"none": None, "head": (H, 1), "token": (B, H, L)}[gates]
-    f = F.logsigmoid(torch.randn(*shape, device=device, generator=g) + 3) if shape else None
-    b = F.logsigmoid(torch.randn(*shape, device=device, generator=g) + 3) if shape else None
+    shape = {"none": None, "head": (H, 1), "token": (B, H, L), "strong": (B, H, L)}[gates]
+    centre = -3.0 if gates == "strong" else 3.0
+    f = F.logsigmoid(torch.randn(*shape, device=device, generator=g) + centre) if shape else None
+    b = F.logsigmoid(torch.randn(*shape, device=device, generator=g) + centre) if shape else None
     return [x.requires_grad_(grad) if x is not None else None for x in (q, k, v, f, b)]
 
 
@@ -201,12 +204,14 @@ def check_feature_map(L: int, dtype_name: str, device: str = "cuda", B: int = 2,
 
 def check_cases(lengths: List[int]) -> List[tuple]:
     """(L, dtype, causal, gates): per-token gates in float32, every gate kind in bf16 and fp16 (what training
-    runs: fairseq-hydra-train's bf16, fairseq-train's ``--fp16`` and ``--amp``)."""
+    runs: fairseq-hydra-train's bf16, fairseq-train's ``--fp16`` and ``--amp``), and strong per-token gates
+    in both past L = 1 (the same kernels as per-token gates: no compiling of their own)."""
     cases = []
     for L in lengths:
         for causal in (False, True):
             cases.append((L, "float32", causal, "token"))
-            cases += [(L, dtype_name, causal, gates) for dtype_name in SIXTEEN_BITS for gates in GATES]
+            gates = GATES + (("strong",) if L > 1 else ())
+            cases += [(L, dtype_name, causal, g) for dtype_name in SIXTEEN_BITS for g in gates]
     return cases
 
 
