@@ -61,8 +61,8 @@ products that read a state (whose entries grow with L past float16's range) or t
 past float16's range where a row sum is below eps, as in a padded row) run in float32. Under Triton's
 CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products run in float32. Rounding
 the operands shows where gradients are small residues of terms that cancel: in rows that are nearly their
-own diagonal term (strong decay), dq and dk come out to a few 1e-3 of their size in float16 against the
-PyTorch form's 2e-4 (``docs/gpu.md``, "Where the gradients cancel")."""
+own diagonal term (strong decay), dq comes out to 2e-3 of its size in float16 against the PyTorch form's
+4e-4, and more under stronger decay (``docs/gpu.md``, "Where the gradients cancel")."""
 import functools
 import os
 from contextlib import contextmanager
