@@ -44,10 +44,10 @@ def check_destdir(destdir: Path, force: bool, inputs: Inputs = ()) -> None:
 
 
 @contextmanager
-def staged_destdir(destdir: Path, force: bool = False, inputs: Inputs = ()) -> Iterator[Path]:
+def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder; on normal exit it becomes ``destdir``, on error it is removed."""
     destdir = Path(destdir)
-    check_destdir(destdir, force, inputs)
+    check_destdir(destdir, force)
     destdir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.partial-", dir=destdir.parent))
     umask = os.umask(0)

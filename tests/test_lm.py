@@ -177,6 +177,9 @@ def test_from_pretrained_refuses_another_model_and_a_missing_folder(trained, tex
                  (str(ckpt.parent), ckpt.name, str(text_data_bin / "nope"))):
         with pytest.raises(FileNotFoundError, match=r"from_pretrained: the (checkpoint's|data) folder .*nope does not"):
             LionLanguageModel.from_pretrained(*args)
+    # fairseq reads a data path that starts with "." inside the checkpoint's folder: so is it checked
+    relative = os.path.relpath(text_data_bin, ckpt.parent)
+    assert relative.startswith(".") and LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, relative)
 
 
 def test_hub_sample_and_interactive(trained, text_data_bin):

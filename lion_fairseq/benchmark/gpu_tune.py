@@ -148,7 +148,8 @@ def best_rows(rows: List[Dict]) -> List[Dict]:
 
 def markdown(report: Dict) -> str:
     env, a = report["environment"], report["args"]
-    lines = ["# Tuning LION's Triton kernel: LION-S, bf16 (fp16 where the pass says so)", "", ", ".join(f"{k} {v}" for k, v in env.items()), "",
+    lines = ["# Tuning LION's Triton kernel: LION-S, bf16 (fp16 where the pass says so)", "",
+             ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"`python -m lion_fairseq.benchmark.gpu --tune`: H = {a['heads']}, D = {a['dim']}, {a['tokens']} tokens "
              f"per batch, median of {a['iters']} after {a['warmup']} warm-up calls. Rows whose pass starts with "
              "'forward' time the forward alone; the others time forward+backward. The kernel ships with forward "

@@ -92,7 +92,10 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
     continuation returned as a translation, say)."""
     from fairseq import hub_utils
 
-    for path, what in ((model_name_or_path, "the checkpoint's folder"), (data_name_or_path, "the data folder")):
+    # fairseq reads a data path that starts with "." inside the checkpoint's folder
+    data = (os.path.join(model_name_or_path, data_name_or_path) if str(data_name_or_path).startswith(".")
+            else data_name_or_path)
+    for path, what in ((model_name_or_path, "the checkpoint's folder"), (data, "the data folder")):
         if path and "://" not in str(path) and path not in cls.hub_models() and not os.path.exists(path):
             raise FileNotFoundError(f"{cls.__name__}.from_pretrained: {what} {path} does not exist")
     x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
