@@ -170,11 +170,10 @@ def run(args: argparse.Namespace) -> Path:
     specs = _column_specs(args)
     sp = vocab.load_spm(require_file(args.spm, "--spm"), "--spm")
     vocab.check_dict_matches(sp, require_file(args.dict, "--dict"), "--dict")
-    check_destdir(args.destdir, args.force, [(args.train, "--train"), (args.dev, "--dev"), (args.test, "--test"),
-                                             (args.spm, "--spm"), (args.dict, "--dict")])
     files = {"train": (args.train, "--train"), "valid": (args.dev, "--dev")}
     if args.test is not None:
         files["test"] = (args.test, "--test")
+    check_destdir(args.destdir, args.force, [*files.values(), (args.spm, "--spm"), (args.dict, "--dict")])
     tables = {split: read_table(path, opt, specs, not args.no_header, split != "test", args.regression,
                                 args.skip_bad_rows) for split, (path, opt) in files.items()}
 
