@@ -83,9 +83,14 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
 
     from .gpu import cuda_lost, make_inputs, outputs
 
-    inputs = make_inputs(B, H, L, D, torch.bfloat16, "token", grad=True, device=device)
     weight = torch.randn(B, H, L, D, device=device, generator=torch.Generator(device=device).manual_seed(1))
-    bf16 = (inputs, outputs(inputs, weight, "torch", False), "bfloat16")
+
+    def data(dtype_name: str) -> tuple:
+        """LION-S's inputs in that dtype, the PyTorch form's values and gradients on them, the dtype's name."""
+        inputs = make_inputs(B, H, L, D, getattr(torch, dtype_name), "token", grad=True, device=device)
+        return inputs, outputs(inputs, weight, "torch", False), dtype_name
+
+    bf16 = data("bfloat16")
     ships = shipped(D)
     lost: List[str] = []  # a fault that left this process's GPU unusable: the candidates after it are not run
 
@@ -119,10 +124,8 @@ def sweep(L: int, B: int, H: int, D: int, warmup: int, iters: int, over: Callabl
     b = fastest([one("backward", f["forward"], c, p) for p in programs for c in backward], ships)
     b = fastest([one("backward fused", f["forward"], c, b["programs"], fused=u) for u in (False, True)
                  for c in backward], b)
-    fp16 = None  # made only where it will run: one() records the rows as skipped otherwise
-    if not over() and not lost:
-        half = make_inputs(B, H, L, D, torch.float16, "token", grad=True, device=device)
-        fp16 = (half, outputs(half, weight, "torch", False), "float16")
+    # made only where it will run: one() records the rows as skipped otherwise
+    fp16 = data("float16") if not over() and not lost else None
     for u in (False, True):
         one("backward fused fp16", f["forward"], b["backward"], b["programs"], fused=u, data=fp16)
     fs = fastest([one("forward stages", f["forward"], ships["backward"], f["programs"], (n, ships["stages"][1]))
