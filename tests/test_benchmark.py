@@ -108,3 +108,36 @@ def test_uptrain_lm_starts_lion_from_a_transformer_lm(tmp_path, monkeypatch):
     up = uptrain.train(tmp_path, data, "uptrained", ["--arch", "lion_s_lm_tiny", *uptrain_lm.STRUCTURE,
                        "--finetune-from-model", str(teacher["checkpoint"])], 2, seed=1, validate_every=2, what="lm")
     assert up["curve"] and up["checkpoint"].exists()
+
+
+def test_thread_scaling_table_reports_each_count_its_gain_and_speed_ups():
+    """The scaling table (SPEC section 6) puts the main run's thread count first; the gain is the fewest
+    threads' time over the most's, each speed-up softmax's time over the layer's on the same count, and a
+    layer that did not run shows '-' instead of a figure."""
+    from lion_fairseq.benchmark.__main__ import SCALING_CONFIGS, scaling_table
+
+    run = lambda s: {16384: {"fwdbwd": s}}  # noqa: E731
+    scaling = {2: {"softmax": run(16.0), "lion_s chunk": run(4.0)},
+               1: {"softmax": run(30.0), "lion_s chunk": run(7.5), "lion_d chunk": {16384: {"error": "killed"}}}}
+    lines = scaling_table(scaling, [16384])
+    assert lines[0].split(" | ")[2:4] == ["fwd+bwd s, 2 threads", "fwd+bwd s, 1 thread"]
+    rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in lines[2:]}
+    assert len(rows) == len(SCALING_CONFIGS)
+    assert rows["lion_s chunk"][2:] == ["4.000", "7.500", "1.88x", "4.00x", "4.00x"]
+    assert rows["softmax"][2:] == ["16.0", "30.0", "1.88x", "1.00x", "1.00x"]
+    assert rows["lion_d chunk"][2:] == ["-", "-", "-", "-", "-"]
+
+
+def test_long_document_scaling_table_compares_each_dtype_with_roberta_in_the_same_dtype():
+    """The long-document scaling rows: tokens/s on each thread count, the gain from the fewest threads to
+    the most, and the speed-up against roberta_base in the same dtype and on the same count."""
+    run = lambda s: {16384: {"infer_s": s}}  # noqa: E731
+    scaling = {2: {"lion_s chunk fp32": run(16.0), "lion_s chunk bf16": run(8.0),
+                   "roberta_base fp32": run(64.0), "roberta_base bf16": run(16.0)},
+               1: {"lion_s chunk fp32": run(32.0), "lion_s chunk bf16": run(16.0),
+                   "roberta_base fp32": run(96.0), "roberta_base bf16": {16384: {"error": "killed"}}}}
+    lines = encoder_bench.scaling_table(scaling, [16384])
+    rows = {tuple(line.split(" | ")[1:3]): line.strip("| ").split(" | ")[3:] for line in lines[2:]}
+    assert rows[("lion_s chunk", "fp32")] == ["1024", "512.0", "2.00x", "4.00x", "3.00x"]
+    assert rows[("lion_s chunk", "bf16")] == ["2048", "1024", "2.00x", "2.00x", "-"]
+    assert rows[("roberta_base", "bf16")] == ["1024", "-", "-", "1.00x", "-"]

@@ -8,8 +8,10 @@
    against fairseq's softmax ``TransformerEncoderLayer``, forward+backward, forward, and inference peak
    memory, L = 128 ... 16384, batch 1;
 5. LM decoding time per token against context length, ``lion_s_lm`` against ``transformer_lm``
-   (``benchmark/decode.py``);
-6. the defaults these numbers choose for ``--lion-form`` and ``--lion-chunk-size``.
+   (``benchmark/decode.py``), on one thread (a batch-1 step is many small ops) and on ``--threads``;
+6. thread scaling (SPEC section 6): softmax and each LION layer's chunk form, forward+backward at
+   L = 8192 and 16384, again on each of ``--scaling-threads`` (1 by default), beside the main run's;
+7. the defaults these numbers choose for ``--lion-form`` and ``--lion-chunk-size``.
 
     python -m lion_fairseq.benchmark              # everything: about 20 minutes on 2 cores
     python -m lion_fairseq.benchmark --small      # L up to 1024, a couple of minutes
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import operator as op
-from .operator import fmt
+from .operator import fmt, threads_name
 from .layer import LIMITS
 from .plotting import against_length, pyplot
 
@@ -36,6 +38,9 @@ LENGTHS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 CHUNK_SIZES = [32, 64, 128]
 FLOP_LENGTHS = [1024, 4096, 16384]
 DECODE_LENGTHS = [64, 1024, 4096, 16384]
+SCALING_LENGTHS = [8192, 16384]
+# the layers whose speed-ups the README quotes, timed again on each thread count
+SCALING_CONFIGS = [("softmax", "softmax", "chunk")] + [(f"lion_{v} chunk", v, "chunk") for v in VARIANTS]
 
 
 def layer_child(kind: str, form: str, L: int, threads: int, chunk_size: int, repeats: int) -> Dict:
@@ -74,6 +79,10 @@ def layer_tables(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     return num / den if num and den else None
+
+
+def times(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def targets(results: Dict[str, Dict[int, Dict]], flops: Dict[int, Dict], peak_gflops: Optional[float],
@@ -117,6 +126,25 @@ def choose_form(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> List
             "|---:|---|---|---|"] + lines
 
 
+def scaling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int]) -> List[str]:
+    """Forward+backward of each layer on each thread count (the first is the main run's), the gain from
+    the fewest threads to the most, and the speed-up against softmax on each count."""
+    counts = list(scaling)
+    few, most = min(counts), max(counts)
+    head = ["L", "layer"] + [f"fwd+bwd s, {threads_name(t)}" for t in counts] + [f"gain from {few} to {threads_name(most)}"] + \
+        [f"vs softmax, {threads_name(t)}" for t in counts]
+    lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
+    for L in lengths:
+        for name, _, _ in SCALING_CONFIGS:
+            secs = [scaling[t].get(name, {}).get(L, {}).get("fwdbwd") for t in counts]
+            gain = ratio(scaling[few].get(name, {}).get(L, {}).get("fwdbwd"),
+                         scaling[most].get(name, {}).get(L, {}).get("fwdbwd"))
+            vs = [ratio(scaling[t].get("softmax", {}).get(L, {}).get("fwdbwd"), x) for t, x in zip(counts, secs)]
+            lines.append(f"| {L} | {name} | " + " | ".join(fmt(x) for x in secs) + f" | {times(gain)} | " +
+                         " | ".join(times(x) for x in vs) + " |")
+    return lines
+
+
 def plot(results: Dict[str, Dict[int, Dict]], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
@@ -137,12 +165,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     p.add_argument("--repeats", type=int, default=2, help="timings are the best of this many runs")
+    p.add_argument("--scaling-threads", type=int, nargs="*", default=[1],
+                   help="also time softmax and the LION chunk layers at L = 8192 and 16384, and decoding, "
+                        "with these thread counts (none: no scaling run)")
     p.add_argument("--small", action="store_true", help="L up to 1024, no decode: a couple of minutes")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = p.parse_args(argv)
     flop_lengths, decode_lengths, sizes = FLOP_LENGTHS, DECODE_LENGTHS, CHUNK_SIZES
     if args.small:
         args.lengths, flop_lengths, decode_lengths = [128, 256, 512, 1024], [1024], []
+    scaling_lengths = [L for L in SCALING_LENGTHS if L in args.lengths] or args.lengths[-1:]
+    scaling_threads = [t for t in dict.fromkeys(args.scaling_threads) if t != args.threads]
     args.out.mkdir(parents=True, exist_ok=True)
     say = lambda s: print(s, flush=True)  # noqa: E731
 
@@ -176,13 +209,27 @@ def main(argv: Optional[List[str]] = None) -> None:
             say(f"layer L={L:6d} {name:28s} " + (f"error: {r['error']}" if "error" in r else
                 f"fwd+bwd {fmt(r.get('fwdbwd'))} s  fwd {fmt(r.get('fwd'))} s  peak {fmt(r.get('peak_mib'), 1)} MiB"))
 
-    decode = None
-    if decode_lengths:
-        out = args.out / "decode"
+    scaling: Dict[int, Dict[str, Dict[int, Dict]]] = {
+        args.threads: {name: {L: results[name][L] for L in scaling_lengths} for name, _, _ in SCALING_CONFIGS}}
+    for threads in scaling_threads:
+        scaling[threads] = {name: {} for name, _, _ in SCALING_CONFIGS}
+        for L in scaling_lengths:
+            for name, kind, form in SCALING_CONFIGS:
+                r = scaling[threads][name][L] = layer_child(kind, form, L, threads, chunk_size, args.repeats)
+                say(f"layer L={L:6d} {name:28s} {threads} threads: " +
+                    (f"error: {r['error']}" if "error" in r else f"fwd+bwd {fmt(r.get('fwdbwd'))} s"))
+
+    # one thread is decoding's main run (its target's figure); the other counts are its scaling
+    decodes: Dict[int, Dict] = {}
+    for threads in dict.fromkeys([1, args.threads] + scaling_threads) if decode_lengths else []:
+        out = args.out / ("decode" if threads == 1 else f"decode_{threads}_threads")
         subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.decode", "--lengths", *map(str, decode_lengths),
-                        "--steps", "64", "--score-blocks", "2048", "--out", str(out)], check=False)
+                        "--steps", "64", "--score-blocks", "2048", "--threads", str(threads), "--out", str(out)],
+                       check=False, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
         if (out / "decode.json").exists():
-            decode = json.loads((out / "decode.json").read_text())
+            decodes[threads] = {"json": json.loads((out / "decode.json").read_text()),
+                                "md": (out / "decode.md").read_text()}
+    decode = decodes.get(1, {}).get("json")
 
     md = [f"Machine: float32 matmul {fmt(peak, 1)} GFLOP/s on {args.threads} threads; batch 1, "
           f"best of {args.repeats}. `-`: not run (past a memory or time limit: {LIMITS}).", "",
@@ -194,14 +241,18 @@ def main(argv: Optional[List[str]] = None) -> None:
            for L, r in sorted(flops.items()) if r.get("gflops_fwdbwd") and peak]
     md += ["", "**One encoder layer** (768 wide, 12 heads, FFN 3072):", "", layer_tables(results, args.lengths),
            "**Form by length** (LION-S):", "", *choose_form(results, args.lengths), ""]
-    if decode:
-        md += ["**Decoding** (from `benchmark/decode.py`):", "", (args.out / "decode" / "decode.md").read_text()]
+    if len(scaling) > 1:
+        md += [f"**Thread scaling** (one layer, forward+backward; the {args.threads}-thread column is the main "
+               "run's):", "", *scaling_table(scaling, scaling_lengths), ""]
+    for threads, d in decodes.items():
+        md += [f"**Decoding, {threads_name(threads)}** (from `benchmark/decode.py`):", "", d["md"]]
     md += ["**Targets** (issue 6):", "", *targets(results, flops, peak, decode), ""]
     text = "\n".join(md) + "\n"
     (args.out / "benchmark.md").write_text(text)
     (args.out / "benchmark.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "matmul_gflops": peak, "chunk_size_sweep": sweep,
-         "chosen_chunk_size": chunk_size, "chunk_flops": flops, "layer": results, "decode": decode}, indent=1))
+         "chosen_chunk_size": chunk_size, "chunk_flops": flops, "layer": results, "scaling": scaling,
+         "decode": {t: d["json"] for t, d in decodes.items()}}, indent=1))
     say("\n" + text)
     if plot(results, args.out / "benchmark.png"):
         say(f"plot: {args.out / 'benchmark.png'}")

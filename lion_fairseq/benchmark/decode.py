@@ -30,6 +30,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .operator import threads_name
+
 VOCAB = 32000  # a typical subword vocabulary: the output projection costs the same for both models
 
 
@@ -153,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     lion, tfm = decode["lion"], decode["transformer"]
     first = args.lengths[0]
     lines = [
-        f"Decoding one token after L tokens of context, batch 1, float32, {args.threads} CPU threads, "
+        f"Decoding one token after L tokens of context, batch 1, float32, {threads_name(args.threads)}, "
         f"fastest of {args.steps} steps; lion_s_lm ({params['lion'] / 1e6:.1f} M parameters) vs "
         f"transformer_lm ({params['transformer'] / 1e6:.1f} M), vocabulary {VOCAB}.",
         "",

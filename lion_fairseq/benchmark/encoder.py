@@ -15,8 +15,9 @@ sequence, features only) of ``lion_s`` in the chunk form and in the recurrent fo
 block by block, so its memory does not grow with L), in float32 and cast to bfloat16 (``model.to(
 torch.bfloat16)``, what fairseq's ``--bf16`` does to a model: every projection and the FFN run in
 bfloat16; the LION operator computes in float32), against
-``roberta_base`` (fused softmax attention) up to ``--softmax-max``. Writes ``long.md``, ``long.json`` and
-``long.png``.
+``roberta_base`` (fused softmax attention) up to ``--softmax-max``; then the chunk form and ``roberta_base``
+again on each of ``--scaling-threads`` (1 by default), up to ``--softmax-max``, for their thread scaling
+(SPEC section 6). Writes ``long.md``, ``long.json`` and ``long.png``.
 
 Every (model, measurement, L) runs in a fresh process, so that the peak resident memory it reports (the
 rise of ``ru_maxrss`` over the built model and its inputs) is its own. Besides wall-clock tokens/s it
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .operator import threads_name
 from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
@@ -213,6 +215,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--long", action="store_true", help="long-document encoding (see above) instead")
     p.add_argument("--long-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--softmax-max", type=int, default=16384, help="--long: the longest L roberta_base runs at")
+    p.add_argument("--scaling-threads", type=int, nargs="*", default=[1],
+                   help="--long: also run the chunk form and roberta_base with these thread counts (none: no "
+                        "scaling run)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/encoder"))
     p.add_argument("--child", nargs=4, metavar=("ARCH", "MODE", "L", "BATCH"), help=argparse.SUPPRESS)
@@ -257,6 +262,29 @@ def main(argv: Optional[List[str]] = None) -> None:
 # (name, arch, form) of the long-document comparison; each runs in fp32 and bf16
 LONG_SERIES = (("lion_s chunk", "lion_s", "chunk"), ("lion_s recurrent", "lion_s", "recurrent"),
                ("roberta_base", "roberta_base", None))
+# the series whose speed-up the README quotes, run again on each of --scaling-threads
+SCALING_SERIES = tuple(s for s in LONG_SERIES if s[0] in ("lion_s chunk", "roberta_base"))
+
+
+def scaling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int]) -> List[str]:
+    """Tokens/s of each (series, dtype) on each thread count (the first is the main run's), the gain from
+    the fewest threads to the most, and the speed-up against roberta_base in the same dtype on each count."""
+    counts = list(scaling)
+    few, most = min(counts), max(counts)
+    head = ["L", "model", "dtype"] + [f"tokens/s, {threads_name(t)}" for t in counts] + \
+        [f"gain from {few} to {threads_name(most)}"] + [f"vs roberta_base, {threads_name(t)}" for t in counts]
+    lines = ["| " + " | ".join(head) + " |", "|---:|---|---|" + "---:|" * (len(head) - 3)]
+    seconds = lambda t, key, L: scaling[t].get(key, {}).get(L, {}).get("infer_s")  # noqa: E731
+    times = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+    for L in lengths:
+        for name, _, _ in SCALING_SERIES:
+            for dtype in ("fp32", "bf16"):
+                key = f"{name} {dtype}"
+                rates = [fmt(L / s) if s else "-" for s in (seconds(t, key, L) for t in counts)]
+                vs = [times(seconds(t, f"roberta_base {dtype}", L), seconds(t, key, L)) for t in counts]
+                lines.append(f"| {L} | {name} | {dtype} | " + " | ".join(rates) +
+                             f" | {times(seconds(few, key, L), seconds(most, key, L))} | " + " | ".join(vs) + " |")
+    return lines
 
 
 def long_document(args: argparse.Namespace) -> None:
@@ -300,11 +328,37 @@ def long_document(args: argparse.Namespace) -> None:
                 vs = f"{soft['infer_s'] / r['infer_s']:.2f}x" if soft.get("infer_s") else "-"
                 md.append(f"| {L} | {name} | {dtype} | {fmt(r['tokens_per_s'])} | {fmt(r['infer_s'])}-"
                           f"{fmt(r['infer_worst_s'])} | {fmt(r['peak_mib'])} | {up} | {vs} |")
+    scaling_lengths = [L for L in args.long_lengths if L <= args.softmax_max]
+    keys = [f"{name} {dtype}" for name, _, _ in SCALING_SERIES for dtype in ("fp32", "bf16")]
+    scaling = {args.threads: {k: {L: rows[k][L] for L in scaling_lengths} for k in keys}}
+    scaling_rates = {}
+    for threads in dict.fromkeys(args.scaling_threads):
+        if threads == args.threads:
+            continue
+        ns = argparse.Namespace(**dict(vars(args), threads=threads))
+        scaling_rates[threads] = {d: matmul_gflops(threads, dtype=t) for d, t in (("fp32", torch.float32),
+                                                                                   ("bf16", torch.bfloat16))}
+        scaling[threads] = {}
+        for name, arch, form in SCALING_SERIES:
+            for dtype in ("fp32", "bf16"):
+                key = f"{name} {dtype}"
+                scaling[threads][key] = {}
+                for L in scaling_lengths:
+                    scaling[threads][key][L] = r = run_child(ns, arch, "infer", L, 1, form=form, dtype=dtype)
+                    print(f"  L={L:6d} {key:24s} {threads_name(threads)}: " + (f"error: {r['error']}" if "error" in r
+                          else f"{fmt(r['tokens_per_s'])} tokens/s"), flush=True)
+    if len(scaling) > 1:
+        md += ["", "Thread scaling (the same passes on " + ", ".join(
+            f"{threads_name(t)}, 2048^3 matmul {g['fp32']:.0f} GFLOP/s fp32, {g['bf16']:.0f} bf16"
+            for t, g in scaling_rates.items()) +
+            f"; the {threads_name(args.threads)} column is the table's above):", "",
+            *scaling_table(scaling, scaling_lengths)]
     text = "\n".join(md)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "long.md").write_text(text + "\n")
     (args.out / "long.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                    "matmul_gflops": rates, "rows": rows}, indent=1))
+                                                    "matmul_gflops": rates, "rows": rows, "scaling": scaling,
+                                                    "scaling_matmul_gflops": scaling_rates}, indent=1))
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -195,6 +195,10 @@ def run_child(args: argparse.Namespace, impl: str, L: int) -> Dict[str, Optional
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def threads_name(n: int) -> str:
+    return f"{n} thread" + ("s" if n > 1 else "")
+
+
 def fmt(x: Optional[float], digits: int = 3) -> str:
     """A measurement for a table: ``digits`` decimals below 10, one above, ``-`` when not measured."""
     if x is None:
