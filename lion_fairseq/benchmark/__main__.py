@@ -216,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         for L in scaling_lengths:
             for name, kind, form in SCALING_CONFIGS:
                 r = scaling[threads][name][L] = layer_child(kind, form, L, threads, chunk_size, args.repeats)
-                say(f"layer L={L:6d} {name:28s} {threads} threads: " +
+                say(f"layer L={L:6d} {name:28s} {threads_name(threads)}: " +
                     (f"error: {r['error']}" if "error" in r else f"fwd+bwd {fmt(r.get('fwdbwd'))} s"))
 
     # one thread is decoding's main run (its target's figure); the other counts are its scaling
