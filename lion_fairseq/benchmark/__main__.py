@@ -131,8 +131,8 @@ def scaling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[
     the fewest threads to the most, and the speed-up against softmax on each count."""
     counts = list(scaling)
     few, most = min(counts), max(counts)
-    head = ["L", "layer"] + [f"fwd+bwd s, {threads_name(t)}" for t in counts] + [f"gain from {few} to {threads_name(most)}"] + \
-        [f"vs softmax, {threads_name(t)}" for t in counts]
+    head = ["L", "layer"] + [f"fwd+bwd s, {threads_name(t)}" for t in counts] + \
+        [f"gain from {few} to {threads_name(most)}"] + [f"vs softmax, {threads_name(t)}" for t in counts]
     lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
     for L in lengths:
         for name, _, _ in SCALING_CONFIGS:
