@@ -292,6 +292,18 @@ def test_resume_mid_epoch_is_exact(trained, text_data_bin, tmp_path):
     assert not torch.equal(half["model"]["decoder.layers.0.fc1.weight"], straight["decoder.layers.0.fc1.weight"])
 
 
+def test_checkpoint_activations_trains_the_same_parameters(trained, text_data_bin, tmp_path):
+    """fairseq-train --checkpoint-activations (the layers recompute their forward in the backward, as
+    transformer_lm's do) ends where the run that keeps them ended, to the last bit, dropout included."""
+    ckpt, _ = trained
+    train(text_data_bin, tmp_path, UPDATES, "--checkpoint-activations")
+    recomputed = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["model"]
+    straight = torch.load(ckpt, weights_only=True)["model"]
+    assert recomputed.keys() == straight.keys()
+    for name in straight:
+        assert torch.equal(recomputed[name], straight[name]), name
+
+
 def test_resume_with_the_levers_is_exact(text_data_bin, tmp_path):
     """lion_s_lm_plus_tiny (short convolution, output gate, gate temperature): a run stopped mid-epoch and
     restarted ends with the same parameters, the levers' own included, as one that ran straight through."""

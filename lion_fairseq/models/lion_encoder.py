@@ -29,8 +29,8 @@ from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_token
 from ..modules.encoder_layer import LionEncoderLayer
 from .convert import is_softmax_roberta, softmax_to_lion
 from .hub import bpe_from_data, load_pretrained
-from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
-                           lion_positions, set_unset, set_unset_from)
+from .lion_options import (LionOptions, arch_filling, boolean_optional, checkpointed, fix_lion_flags,
+                           lion_attention_kwargs, lion_positions, set_unset, set_unset_from)
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +102,12 @@ class LionSentenceEncoder(FairseqEncoder):
         self.layernorm_embedding = LayerNorm(embed_dim) if cfg.layernorm_embedding else None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         attention = lion_attention_kwargs(cfg)
-        layers = [
+        layers = [checkpointed(
             LionEncoderLayer(embed_dim, cfg.encoder_attention_heads, cfg.encoder_ffn_embed_dim, attention,
                              dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                              activation_dropout=cfg.activation_dropout, activation_fn=str(cfg.activation_fn),
-                             normalize_before=cfg.encoder_normalize_before)
-            for _ in range(cfg.encoder_layers)]
+                             normalize_before=cfg.encoder_normalize_before),
+            cfg) for _ in range(cfg.encoder_layers)]
         self.layers = LayerDropModuleList(cfg.encoder_layerdrop, layers) if cfg.encoder_layerdrop > 0 \
             else nn.ModuleList(layers)
         # pre-norm leaves the residual stream unnormalised: one LayerNorm at the end, as fairseq does

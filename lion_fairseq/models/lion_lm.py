@@ -30,8 +30,8 @@ from ..clear_errors import ClearLoadErrors, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
 from .convert import LANGUAGE_MODEL, is_softmax_lm, softmax_to_lion
 from .hub import ContinuationHubInterface, DataBpeHub
-from .lion_options import (LionOptions, boolean_optional, fix_lion_flags, lion_attention_kwargs, lion_positions,
-                           set_unset)
+from .lion_options import (LionOptions, boolean_optional, checkpointed, fix_lion_flags, lion_attention_kwargs,
+                           lion_positions, set_unset)
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +101,11 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             self.max_target_positions = UNBOUNDED_POSITIONS
             self.embed_positions = None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
-        self.layers = nn.ModuleList([
+        self.layers = nn.ModuleList([checkpointed(
             LionDecoderLayer(dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads, attention_kwargs,
                              dropout=cfg.dropout, activation_dropout=cfg.activation_dropout,
-                             activation_fn=str(cfg.activation_fn), normalize_before=cfg.decoder_normalize_before)
-            for _ in range(cfg.decoder_layers)])
+                             activation_fn=str(cfg.activation_fn), normalize_before=cfg.decoder_normalize_before),
+            cfg) for _ in range(cfg.decoder_layers)])
         # fairseq's rule: post-norm layers end normalised already
         final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
         self.layer_norm = LayerNorm(dim) if final_norm else None

@@ -1,9 +1,14 @@
 """The LION options shared by every arch (``--lion-*``), as a fairseq dataclass."""
 import argparse
+import contextlib
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional
 
+import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..modules.feature_maps import FEATURE_MAPS
 from ..modules.lion_attention import DEFAULT_FEATURE_MAP, VARIANTS, check_lion_options
@@ -45,6 +50,13 @@ class LionOptions(FairseqDataclass):
     lion_short_conv: Optional[int] = field(
         default=None, metadata={"help": "width N of a depthwise convolution over the projected q, k, v (causal "
                                         "in decoders, centred and odd in encoders); 0: none (default: the arch's)"})
+    # fairseq's transformer_lm and transformer options, with their meaning
+    checkpoint_activations: bool = field(
+        default=False, metadata={"help": "checkpoint activations at each layer, which saves GPU memory usage "
+                                         "at the cost of some additional compute"})
+    offload_activations: bool = field(
+        default=False, metadata={"help": "checkpoint activations at each layer, then save to cpu. Sets "
+                                         "--checkpoint-activations."})
 
 
 def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
@@ -111,6 +123,33 @@ def lever_kwargs(cfg: Any) -> Dict[str, Any]:
     return dict(gate_temperature=1.0 if tau is None else float(tau),
                 output_gate=bool(getattr(cfg, "lion_output_gate", None) or False),
                 short_conv=0 if conv is None else int(conv))
+
+
+def checkpointing(cfg: Any) -> bool:
+    """Whether the layers recompute their activations in the backward (``--checkpoint-activations``, or
+    ``--offload-activations``, which sets it, as in fairseq's ``transformer_lm``)."""
+    return bool(getattr(cfg, "checkpoint_activations", False) or getattr(cfg, "offload_activations", False))
+
+
+def checkpointed(layer: nn.Module, cfg: Any) -> nn.Module:
+    """``layer``, made to recompute its forward in the backward instead of keeping its activations when
+    ``checkpointing(cfg)``; with ``--offload-activations`` the input it keeps waits on the CPU. Like
+    fairseq's ``checkpoint_wrapper`` it replaces ``forward`` on the instance, so parameter names, and the
+    checkpoints that hold them, stay the same; unlike it, the recomputation replays autocast (``--amp``)
+    as well as the dropout masks, so the gradients are those of the kept-activations run."""
+    if checkpointing(cfg):
+        layer.forward = functools.partial(_recomputed, layer.forward, bool(getattr(cfg, "offload_activations", False)))
+    return layer
+
+
+def _recomputed(forward: Callable, offload: bool, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():  # inference and validation keep nothing anyway
+        return forward(*args, **kwargs)
+    # the non-reentrant checkpoint saves its inputs outside its own hooks, so save_on_cpu moves them
+    keep = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload \
+        else contextlib.nullcontext()
+    with keep:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def lion_positions(cfg: Any) -> str:

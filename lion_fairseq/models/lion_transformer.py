@@ -33,7 +33,8 @@ from ..modules.encoder_layer import LionEncoderLayer
 from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
-from .lion_options import LionOptions, arch_filling, fix_lion_flags, lion_attention_kwargs, set_unset
+from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
+                           set_unset)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
@@ -105,15 +106,15 @@ class LionTransformerDecoderLayer(TransformerDecoderLayerBase):
 
 class LionTransformerEncoder(TransformerEncoderBase):
     def build_encoder_layer(self, cfg):
-        return LionEncoderLayer(cfg.encoder.embed_dim, cfg.encoder.attention_heads, cfg.encoder.ffn_embed_dim,
-                                cfg.lion_attention, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-                                activation_dropout=cfg.activation_dropout, activation_fn=cfg.activation_fn,
-                                normalize_before=cfg.encoder.normalize_before)
+        return checkpointed(LionEncoderLayer(
+            cfg.encoder.embed_dim, cfg.encoder.attention_heads, cfg.encoder.ffn_embed_dim, cfg.lion_attention,
+            dropout=cfg.dropout, attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
+            activation_fn=cfg.activation_fn, normalize_before=cfg.encoder.normalize_before), cfg)
 
 
 class LionTransformerDecoder(TransformerDecoderBase):
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        return LionTransformerDecoderLayer(cfg, no_encoder_attn)
+        return checkpointed(LionTransformerDecoderLayer(cfg, no_encoder_attn), cfg)
 
 
 @register_model("lion_transformer", dataclass=LionTransformerConfig)
