@@ -311,7 +311,8 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
-    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it."""
+    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it, and an
+    optimizer state of other parameters is refused naming ``--reset-optimizer``."""
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
         missing = missing_restore_file_message(filename, self.cfg.checkpoint)
@@ -324,6 +325,12 @@ def _wrap_trainer_load_checkpoint(original):
             if "architectures match" in str(e) and cause is not None and (
                     "do not fit the model being built" in str(cause) or isinstance(cause, ValueError)):
                 raise CheckpointError(f"cannot start from {filename}: {cause}") from e
+            if isinstance(e, ValueError) and str(e).startswith("loaded state dict"):  # torch's optimizer
+                raise CheckpointError(
+                    f"cannot resume the optimizer of {filename}: it holds the state of another model's "
+                    "parameters (a softmax or converted checkpoint, or other sizes). To start a new run from its "
+                    "weights pass --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader, or "
+                    "use --finetune-from-model") from e
             raise
     load_checkpoint.__lion_wrapped__ = True
     return load_checkpoint

@@ -150,6 +150,13 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
     if os.path.exists(out) and os.path.exists(checkpoint) and os.path.samefile(checkpoint, out):
         raise ValueError(f"the output {out} is the softmax checkpoint itself, which writing it would replace: "
                          "pass another path for the LION checkpoint")
+    # refused before the conversion runs, not by torch.save after it
+    if os.path.isdir(out):
+        raise ValueError(f"the output {out} is a folder: pass the LION checkpoint's file path, e.g. "
+                         f"{os.path.join(out, 'model.pt')}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise FileNotFoundError(f"the output's folder {os.path.dirname(os.path.abspath(out))} does not exist: "
+                                "create it (mkdir -p) or pass a path in a folder that exists")
     state = _safe_load(checkpoint)
     config = teacher_config(state)
     target = target_of(arch, config)

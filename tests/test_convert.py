@@ -5,6 +5,7 @@ lion_fairseq.convert``; tensors copied bit-identical, gates by the stated rule, 
 the old ``decoder.sentence_encoder`` layout, and sizes or structures that differ refused with the option
 named."""
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -95,6 +96,8 @@ def test_old_layout_loads_the_same(roberta, text_data_bin):
 
 
 @pytest.mark.parametrize("extra,option", [(["--encoder-ffn-embed-dim", "96"], "--encoder-ffn-embed-dim"),
+                                          # the same words, another width: not the dictionary's fault
+                                          (["--encoder-embed-dim", "32"], "--encoder-embed-dim"),
                                           (["--encoder-layers", "3"], "--encoder-layers"),
                                           (["--max-positions", "40", "--tokens-per-sample", "40"], "--max-positions"),
                                           (["--encoder-normalize-before"], "--encoder-normalize-before")])
@@ -146,6 +149,29 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
                           "--arch", "lion_s_tiny", "--encoder-layers", "4"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "--encoder-layers" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_convert_refuses_an_output_path_it_cannot_write_before_converting(roberta, capsys, tmp_path):
+    """An output in a folder that does not exist, or a folder itself, is refused naming the fix, before the
+    conversion runs (not by torch.save at its end)."""
+    from lion_fairseq import convert
+
+    assert convert.main([str(roberta), str(tmp_path / "no" / "lion.pt"), "--arch", "lion_d_tiny"]) == 2
+    assert "does not exist: create it" in capsys.readouterr().err
+    assert convert.main([str(roberta), str(tmp_path), "--arch", "lion_d_tiny"]) == 2
+    assert "is a folder: pass the LION checkpoint's file path" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
+def test_restore_file_of_another_models_optimizer_names_reset_optimizer(roberta, text_data_bin, tmp_path):
+    """--restore-file of the softmax teacher without --reset-optimizer: its Adam state is of other
+    parameters, and the message names the flags that start from its weights instead of torch's own."""
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
+                           *TRAIN, "--arch", "lion_s_tiny", *SIZE, "--max-update", "1", "--save-dir", str(tmp_path),
+                           "--restore-file", str(roberta)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert "cannot resume the optimizer of" in proc.stderr and "--reset-optimizer" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_convert_refuses_to_write_over_its_input(roberta, tmp_path):
@@ -438,6 +464,7 @@ def test_transformer_tensors_copied_gates_by_rule(transformer, mt_data, variant,
 
 
 @pytest.mark.parametrize("extra,option", [(["--decoder-ffn-embed-dim", "128"], "--decoder-ffn-embed-dim"),
+                                          (["--encoder-embed-dim", "64"], "--encoder-embed-dim"),
                                           (["--encoder-layers", "3"], "--encoder-layers"),
                                           (["--decoder-normalize-before"], "--decoder-normalize-before"),
                                           (["--lion-positions", "learned"], "drop --lion-positions learned")])

@@ -67,7 +67,8 @@ class Layout:
     """How one kind of softmax checkpoint maps onto its LION model. Every pattern is searched in a tensor's
     name without the model's prefix; in a list of ``(pattern, text)`` the first match speaks."""
     stacks: Patterns          # (prefix of a layer stack, the option that sets its depth)
-    shape_options: Patterns   # (pattern, the option that sets such a tensor's shape)
+    shape_options: Patterns   # (pattern, the option that sets such a tensor's shape); the first is the
+                              # dictionary's, whose tensors have one row per word
     droppable: str            # the teacher's tensors this LION model may drop
     structure: str            # the options that shape the architecture beyond the attention
     untie: str                # what to pass when the model ties tensors that the teacher kept apart
@@ -234,8 +235,11 @@ def _fit_shapes(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: s
             logger.info(f"lion: {name}: the teacher's first {want[0]} of {have[0]} learned positions")
             state_dict[key] = state_dict[key][:want[0]].clone()
             continue
+        options = layout.shape_options
+        if have[0] == want[0] and re.search(options[0][0], name):  # as many words: the width differs
+            options = options[1:]
         raise ValueError(f"{name} is {have} in the checkpoint and {want} in this model: "
-                         f"set {_first(layout.shape_options, name)} as the teacher has it")
+                         f"set {_first(options, name)} as the teacher has it")
 
 
 def _add_lion_own(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> List[str]:
