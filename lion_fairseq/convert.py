@@ -17,6 +17,7 @@ of the teacher's dictionaries (default: the checkpoint's own folder, as in fairs
 Any other fairseq option of the arch may follow (``--lion-*``, ...)."""
 import argparse
 import os
+import re
 import string
 import sys
 from dataclasses import dataclass
@@ -129,11 +130,26 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
     return target
 
 
-def check_dictionaries(data: str, target: Target, config: Dict[str, Any]) -> None:
-    """Each dictionary the model is built with, named from the teacher's config, must be in ``data``; one
-    whose name the config lacks (languages not recorded) is left to fairseq, which infers it from the data."""
+LANGUAGE_SHORT = {"source_lang": ("-s",), "target_lang": ("-t",)}  # fairseq's short spellings
+
+
+def check_dictionaries(data: str, target: Target, config: Dict[str, Any], extra: List[str]) -> None:
+    """Each dictionary the model is built with, named from the teacher's config, must be in ``data``. Where the
+    config lacks a name (a teacher trained without -s/-t) and the options do not give it, fairseq infers the
+    languages from the binarised data's file names, and without them they are asked for."""
+    from fairseq.data.data_utils import infer_language_pair
+
     for pattern in target.dictionaries:
-        if any(field and config.get(field) is None for _, field, _, _ in string.Formatter().parse(pattern)):
+        missing = [field for _, field, _, _ in string.Formatter().parse(pattern) if field and config.get(field) is None]
+        if missing:
+            given = any(option in extra for name in missing
+                        for option in target.values.get(name, ()) + LANGUAGE_SHORT.get(name, ()))
+            if not given and infer_language_pair(data) == (None, None):
+                found = sorted(f for f in os.listdir(data) if re.fullmatch(r"dict\..+\.txt", f))
+                raise ValueError(f"the teacher's config records no languages (it was trained without -s/-t), and "
+                                 f"{data} has no binarised data to infer them from: pass --source-lang and "
+                                 f"--target-lang (dictionaries there: {', '.join(found) or 'none'}), or --data "
+                                 "<the teacher's data-bin>")
             continue
         name = pattern.format(**config)
         if not os.path.isfile(os.path.join(data, name)):
@@ -161,7 +177,7 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
     config = teacher_config(state)
     target = target_of(arch, config)
     data = data or os.path.dirname(os.path.abspath(checkpoint))
-    check_dictionaries(data, target, config)
+    check_dictionaries(data, target, config, extra)
     parser = options.get_training_parser()
     ns = options.parse_args_and_arch(parser, [data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch,
                                               *teacher_flags(config, target, extra), *extra])

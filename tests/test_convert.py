@@ -474,6 +474,24 @@ def test_transformer_a_different_structure_is_refused_naming_the_option(transfor
         model.load_state_dict(state_of(transformer), strict=True)
 
 
+def test_convert_asks_for_the_languages_a_teacher_did_not_record(transformer, mt_data, tmp_path, capsys):
+    """A translation teacher trained without -s/-t records no languages, and its own folder holds only its
+    dictionaries: convert asks for --source-lang and --target-lang (naming the dictionaries it found)
+    instead of fairseq's 'Could not infer language pair', and converts with them."""
+    from lion_fairseq.convert import main
+
+    state = torch.load(transformer, map_location="cpu", weights_only=False)
+    state["cfg"]["task"]["source_lang"] = state["cfg"]["task"]["target_lang"] = None
+    torch.save(state, tmp_path / "teacher.pt")
+    for lang in ("src", "tgt"):
+        shutil.copy(mt_data / f"dict.{lang}.txt", tmp_path / f"dict.{lang}.txt")
+    assert main([str(tmp_path / "teacher.pt"), str(tmp_path / "lion.pt"), "--arch", "lion_s_transformer_tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "--source-lang and --target-lang (dictionaries there: dict.src.txt, dict.tgt.txt)" in err, err
+    assert main([str(tmp_path / "teacher.pt"), str(tmp_path / "lion.pt"), "--arch", "lion_s_transformer_tiny",
+                 "-s", "src", "-t", "tgt"]) == 0
+
+
 def test_transformer_finetune_from_model_and_convert_command(transformer, mt_data, tmp_path):
     from lion_fairseq.convert import main
     from lion_fairseq.models.lion_transformer import LionTransformerModel
