@@ -294,18 +294,25 @@ def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tenso
 
 def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional[str]:
     """What to say where fairseq would train from random weights because ``--restore-file`` names a file that
-    does not exist, though ``--reset-*`` options say the run is to start from it (without them, a missing
-    file is how a resumable run's first launch starts fresh, as with the default checkpoint_last.pt)."""
+    does not exist. A missing ``checkpoint_last.pt`` (the default, or a path ending in that name) is how a
+    resumable run's first launch starts fresh, and stays allowed unless ``--reset-*`` options say the run is
+    to start from it; any other missing file is a wrong path."""
     from fairseq.file_io import PathManager
 
-    resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
-                                                         "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
-    if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" or not resets \
+    if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" \
             or PathManager.isfile(filename):
         return None
-    return (f"--restore-file {filename} does not exist. With {' '.join(resets)} the run starts from that "
-            "checkpoint, and fairseq would train from random weights instead: correct the path (or leave "
-            "--restore-file out to train from scratch)")
+    resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
+                                                         "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
+    if resets:
+        return (f"--restore-file {filename} does not exist. With {' '.join(resets)} the run starts from that "
+                "checkpoint, and fairseq would train from random weights instead: correct the path (or leave "
+                "--restore-file out to train from scratch)")
+    if os.path.basename(filename) == "checkpoint_last.pt":
+        return None
+    return (f"--restore-file {filename} does not exist, and fairseq would train from random weights instead: "
+            "correct the path, or leave --restore-file out to train from scratch (a run resumes from "
+            "<save-dir>/checkpoint_last.pt without it)")
 
 
 def _wrap_trainer_load_checkpoint(original):

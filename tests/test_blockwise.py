@@ -100,3 +100,21 @@ def test_encoder_layer_recurrent_inference_by_blocks(monkeypatch, variant, norma
     real = ~pad.t()[..., None].expand_as(x)
     assert rel_err(blocks[real], whole.detach()[real]) < 1e-5
     assert rel_err(blocks[real], chunk[real]) < 1e-5
+
+
+def test_recurrent_inference_with_autograd_on_warns_once(caplog):
+    """RoBERTa's hub runs extract_features with autograd on, where the recurrent form cannot run by blocks:
+    a warning says to use torch.no_grad(), once; under no_grad there is nothing to warn of."""
+    from lion_fairseq.modules import encoder_layer
+    from lion_fairseq.modules.encoder_layer import LionEncoderLayer
+
+    encoder_layer._warn_recurrent_with_autograd.cache_clear()
+    layer = LionEncoderLayer(16, 2, 32, dict(variant="s", form="recurrent")).eval()
+    x = torch.randn(5, 1, 16)
+    with caplog.at_level("WARNING", logger=encoder_layer.__name__):
+        with torch.no_grad():
+            layer(x)
+        assert "torch.no_grad()" not in caplog.text
+        layer(x)
+        layer(x)
+    assert caplog.text.count("run inference under torch.no_grad()") == 1

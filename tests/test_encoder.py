@@ -312,6 +312,25 @@ def test_missing_restore_file_with_resets_is_refused(mlm, text_data_bin, tmp_pat
     assert not (tmp_path / "ft").exists() or not list((tmp_path / "ft").glob("*.pt"))
 
 
+def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path):
+    """A --restore-file that does not exist, without --reset-*: fairseq would train from random weights (and
+    save over <save-dir>'s checkpoints); a name other than checkpoint_last.pt (which a resumable run's first
+    launch may name) is a wrong path, and stops the run before it writes anything."""
+    from lion_fairseq.clear_errors import missing_restore_file_message
+
+    missing = tmp_path / "pretrained" / "checkpoint_best.pt"
+    with pytest.raises(AssertionError) as failed:
+        fairseq_cli("train", str(text_data_bin), *COMMON, "--task", "masked_lm", "--criterion", "masked_lm",
+                    "--arch", "lion_s_tiny", "--tokens-per-sample", "32", "--batch-size", "8", "--max-update", "1",
+                    "--save-dir", str(tmp_path / "run"), "--restore-file", str(missing))
+    assert f"--restore-file {missing} does not exist, and fairseq would train from random weights" in str(failed.value)
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("*.pt"))
+
+    class Cfg:
+        restore_file = str(tmp_path / "run" / "checkpoint_last.pt")
+    assert missing_restore_file_message(Cfg.restore_file, Cfg) is None  # a first launch, spelled as a path
+
+
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     from lion_fairseq.clear_errors import first_difference
     from conftest import build_model

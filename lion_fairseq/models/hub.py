@@ -7,6 +7,7 @@ none."""
 import argparse
 import logging
 import os
+import re
 import warnings
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional
@@ -98,8 +99,17 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
     for path, what in ((model_name_or_path, "the checkpoint's folder"), (data, "the data folder")):
         if path and "://" not in str(path) and path not in cls.hub_models() and not os.path.exists(path):
             raise FileNotFoundError(f"{cls.__name__}.from_pretrained: {what} {path} does not exist")
-    x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
-                                  archive_map=cls.hub_models(), **kwargs)
+    try:
+        x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                      archive_map=cls.hub_models(), **kwargs)
+    except Exception as e:
+        missing = missing_dictionary(e)
+        if missing is None:
+            raise
+        raise FileNotFoundError(
+            f"{cls.__name__}.from_pretrained: the data folder {os.path.normpath(data)} has no {missing}: pass the "
+            "folder of the data the model was trained on (its data-bin, or a folder with its dictionaries) as the "
+            "third argument, data_name_or_path (default '.', the checkpoint's folder)") from e
     model = x["models"][0]
     if not isinstance(model, cls):
         found = type(model).__name__
@@ -109,6 +119,16 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
         raise TypeError(f"{cls.__name__}.from_pretrained: {os.path.join(model_name_or_path, checkpoint_file)} holds "
                         f"a {found} (model {name!r}), not a {cls.__name__}: {fix}")
     return x
+
+
+def missing_dictionary(error: BaseException) -> Optional[str]:
+    """The dictionary that fairseq's task set-up did not find, from its error (None: another error)."""
+    if isinstance(error, FileNotFoundError):
+        found = re.search(r"dict(\.[^/\\]+)?\.txt", str(error))
+        return found.group(0) if found else None
+    if "Could not infer language pair" in str(error):  # translation: neither languages nor data files
+        return "dict.<source>.txt and dict.<target>.txt (nor data files naming the languages)"
+    return None
 
 
 class DataBpeHub:

@@ -1,5 +1,7 @@
 """LionEncoderLayer: one bidirectional LION block (LionAttention + FFN), laid out like fairseq's
 ``TransformerEncoderLayer`` (same submodule names, post-norm by default, pre-norm on request)."""
+import functools
+import logging
 from typing import Any, Dict, Optional
 
 import torch
@@ -13,6 +15,8 @@ from .lion_attention import LionAttention
 
 # tokens per block of the recurrent form's blockwise inference: small next to a long sequence, large
 # enough that the projections and FFN stay efficient matmuls
+logger = logging.getLogger(__name__)
+
 BLOCK_TOKENS = 256
 
 
@@ -63,9 +67,10 @@ class LionEncoderLayer(nn.Module):
         In the recurrent form at inference (eval mode, no autograd) the layer runs a block of
         ``BLOCK_TOKENS`` tokens at a time (:meth:`LionAttention.blockwise`), so that its memory beyond its
         input and output is a block's activations, whatever T: the RNN's promise, for the whole layer."""
-        if (self.self_attn.form == "recurrent" and self.self_attn.streams_blockwise and not self.training
-                and not torch.is_grad_enabled()):
-            return self._forward_blockwise(x, encoder_padding_mask)
+        if self.self_attn.form == "recurrent" and self.self_attn.streams_blockwise and not self.training:
+            if not torch.is_grad_enabled():
+                return self._forward_blockwise(x, encoder_padding_mask)
+            _warn_recurrent_with_autograd()
         h = self.self_attn_layer_norm(x) if self.normalize_before else x
         return self._after_attention(x, self.self_attn(h, key_padding_mask=encoder_padding_mask))
 
@@ -93,3 +98,14 @@ class LionEncoderLayer(nn.Module):
         for s, e, a in self.self_attn.blockwise(source, x.shape[0], encoder_padding_mask, BLOCK_TOKENS):
             out[s:e] = self._after_attention(x[s:e], a)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_recurrent_with_autograd() -> None:
+    """Once per process: autograd must keep every token's activations, so the blockwise path (and its
+    bounded memory) is taken only without it; RoBERTa's hub runs ``extract_features`` and ``predict`` with
+    autograd on."""
+    logger.warning("LION attention: the recurrent form in eval mode with autograd on runs token by token and "
+                   "keeps every step for the backward, so its memory grows with the length: run inference "
+                   "under torch.no_grad() (RoBERTa's hub extract_features and predict do not) for blocks of "
+                   f"{BLOCK_TOKENS} tokens in bounded memory")
