@@ -180,6 +180,9 @@ def test_from_pretrained_refuses_another_model_and_a_missing_folder(trained, tex
     # fairseq reads a data path that starts with "." inside the checkpoint's folder: so is it checked
     relative = os.path.relpath(text_data_bin, ckpt.parent)
     assert relative.startswith(".") and LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, relative)
+    # the data argument left out: the checkpoint's folder has no dict.txt, and the message names the argument
+    with pytest.raises(FileNotFoundError, match=r"has no dict\.txt: pass the folder of the data .* third argument"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name)
 
 
 def test_hub_sample_and_interactive(trained, text_data_bin):
