@@ -162,20 +162,26 @@ def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int) -> Optiona
             "training length use a model trained with --lion-positions none (LION-D and LION-S's default)")
 
 
+def empty_split_message(path: str) -> str:
+    return (f"data split {os.path.basename(str(path))!r} is empty: {path}.bin has no tokens (its text had no lines "
+            "when fairseq-preprocess binarised it). Re-run fairseq-preprocess on a non-empty file, or name splits "
+            "that have data: fairseq-train --valid-subset (or --disable-validation), fairseq-validate "
+            "--valid-subset, fairseq-eval-lm and fairseq-generate --gen-subset")
+
+
 def _wrap_load_indexed_dataset(original):
     @functools.wraps(original)
     def load_indexed_dataset(path, *args, **kwargs):
+        # checked before fairseq's reader half-opens the file: its destructor then fails too, and that
+        # unrelated error would be the last thing printed
+        if os.path.isfile(f"{path}.bin") and os.path.getsize(f"{path}.bin") == 0:
+            raise ValueError(empty_split_message(path))
         try:
             return original(path, *args, **kwargs)
         except ValueError as e:
             if "cannot mmap an empty file" not in str(e):
                 raise
-            split = os.path.basename(str(path))
-            raise ValueError(
-                f"data split {split!r} is empty: {path}.bin has no tokens (its text had no lines when "
-                "fairseq-preprocess binarised it). Re-run fairseq-preprocess on a non-empty file, or name "
-                "splits that have data: fairseq-train --valid-subset (or --disable-validation), fairseq-validate "
-                "--valid-subset, fairseq-eval-lm and fairseq-generate --gen-subset") from e
+            raise ValueError(empty_split_message(path)) from e
     load_indexed_dataset.__lion_wrapped__ = True
     return load_indexed_dataset
 

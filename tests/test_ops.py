@@ -1,6 +1,7 @@
 """The three forms of the LION operator against a literal float64 reference (SPEC section 1)."""
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -406,9 +407,12 @@ def test_bad_arguments_name_the_argument():
     q, k, v, f, b = make_inputs(5, "token")
     with pytest.raises(ValueError, match="form"):
         lion_attention(q, k, v, form="fft")
-    for bad in (0, -3, 2.5):
+    for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="chunk_size"):
             lion_attention(q, k, v, form="chunk", chunk_size=bad)
+    # numpy's integers are integers
+    assert torch.equal(lion_attention(q, k, v, f, b, form="chunk", chunk_size=np.int64(4)),
+                       lion_attention(q, k, v, f, b, form="chunk", chunk_size=4))
     with pytest.raises(ValueError, match="k must"):
         lion_attention(q, k[:, :, :4], v)
     with pytest.raises(ValueError, match="v must"):

@@ -2,6 +2,7 @@
 ``T x B x C`` layout, with incremental (recurrent) decoding state."""
 import functools
 import logging
+import numbers
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -28,7 +29,7 @@ def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: st
         raise ValueError(f"--lion-variant must be one of {VARIANTS}; got {variant!r}")
     if form not in FORMS:
         raise ValueError(f"--lion-form must be one of {FORMS}; got {form!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"--lion-chunk-size must be an integer >= 1; got {chunk_size!r}")
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"--lion-feature-map must be one of {tuple(FEATURE_MAPS)}; got {feature_map!r}")

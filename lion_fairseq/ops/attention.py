@@ -1,6 +1,7 @@
 """``lion_attention``: argument checks and the choice of form. The math lives in the form modules."""
 import functools
 import logging
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -90,8 +91,10 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    # any integer type (numpy's, say); not bool, which is one
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
+    chunk_size = int(chunk_size)
     if q.dim() != 4:
         raise ValueError(f"q must be (B, H, L, Dk); got shape {tuple(q.shape)}")
     if k.shape != q.shape:
