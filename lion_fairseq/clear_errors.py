@@ -78,9 +78,35 @@ def _safe_load(path: str) -> Dict[str, Any]:
         return torch.load(path, map_location="cpu", **weights_only)
 
 
+# what the weights were trained with: an override of one loads without a word (no tensor changes shape) and
+# runs another model on them (softmax cross-attention's weights read as linear, say)
+FIXED_BY_TRAINING = ("lion_variant", "lion_feature_map", "lion_normalize", "lion_norm_after", "lion_positions",
+                     "lion_gate_temperature", "lion_output_gate", "lion_short_conv", "lion_cross_attention")
+
+
+def changed_model_message(model_cfg: Any, fixed: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with overrides of ``FIXED_BY_TRAINING`` options (``fixed``) whose values differ from
+    the checkpoint's model config; None where each equals what was trained."""
+    def trained(key: str) -> str:
+        value = getattr(model_cfg, key, None)
+        return "the arch's default" if value is None else repr(value)
+
+    changed = [f"{key}={value!r} (trained with {trained(key)})" for key, value in fixed.items()
+               if str(getattr(model_cfg, key, None)) != str(value)]
+    if not changed:
+        return None
+    return (f"--model-overrides (or the hub's keyword arguments) change the model the weights were trained as: "
+            f"{', '.join(changed)}. Loaded, it would run another model on them without a word; a trained "
+            "checkpoint switches lion_form and lion_chunk_size, and the rest is set by training (or fine-tuning) "
+            "with the option")
+
+
 def _wrap_load_checkpoint_to_cpu(original):
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        fixed = {k: v for k, v in (arg_overrides or {}).items() if k in FIXED_BY_TRAINING}
+        if fixed:  # checked against the trained values, so not applied (equal, they change nothing)
+            arg_overrides = {k: v for k, v in arg_overrides.items() if k not in fixed}
         try:
             with _namespace_allowed():
                 state = original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
@@ -96,6 +122,10 @@ def _wrap_load_checkpoint_to_cpu(original):
         unknown = unknown_override_message(state.get("cfg"), arg_overrides or {})
         if unknown:
             raise ValueError(f"{path}: {unknown}")
+        model = (state.get("cfg") or {}).get("model") if state.get("cfg") is not None else None
+        changed = changed_model_message(model, fixed) if fixed and model is not None else None
+        if changed:
+            raise ValueError(f"{path}: {changed}")
         return state
     load_checkpoint_to_cpu.__lion_wrapped__ = True
     return load_checkpoint_to_cpu

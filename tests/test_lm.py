@@ -371,3 +371,19 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
         eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_fom': 'recurrent'}")
     with pytest.raises(ValueError, match=r"'lion_chunk' \(did you mean 'lion_chunk_size'\)"):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk=8)
+
+
+def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_data_bin):
+    """An override of the feature map, the normalisation, the variant, ... loads without a tensor changing
+    shape, and fairseq would run another model on the weights: it stops naming what was trained. The form
+    switches, and an override equal to what was trained changes nothing and loads."""
+    from lion_fairseq import LionLanguageModel
+
+    ckpt, _ = trained
+    with pytest.raises(ValueError, match=r"lion_normalize=False \(trained with (True|the arch's default)\)"):
+        eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_normalize': False}")
+    with pytest.raises(ValueError, match=r"lion_feature_map='elu' \(trained with .*lion_form and lion_chunk_size"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_feature_map="elu")
+    trained_variant = torch.load(ckpt, weights_only=True)["cfg"]["model"]["lion_variant"]
+    assert LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_form="recurrent",
+                                             lion_variant=trained_variant)
