@@ -351,6 +351,29 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
             "<save-dir>/checkpoint_last.pt without it)")
 
 
+def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
+    """Where ``filename`` holds a kind of model that the one being built does not start from (a translation
+    model's weights given to a causal LM, say), what to pick instead; None otherwise. The weights'
+    first difference would otherwise name an option that cannot make them fit."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    from .convert import ARCHS, TARGETS, teacher_config
+
+    try:
+        config = teacher_config(_safe_load(filename))
+    except Exception:
+        return None
+    arch = config.get("arch") or config.get("_name")
+    theirs = ARCH_MODEL_NAME_REGISTRY.get(arch)
+    ours = ARCH_MODEL_NAME_REGISTRY.get(getattr(model_cfg, "_name", None))
+    if theirs is None or ours not in TARGETS or theirs in (ours, TARGETS[ours].teacher):
+        return None
+    fits = [ARCHS[kind] for kind, target in TARGETS.items() if theirs in (kind, target.teacher)]
+    return (f"it holds a {theirs} model (--arch {arch}), and --arch {model_cfg._name} builds a {ours}, which starts "
+            f"from a {ours} or a fairseq {TARGETS[ours].teacher} checkpoint: "
+            + (f"pick an arch of {fits[0]}" if fits else "start from a checkpoint of that kind"))
+
+
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
@@ -367,7 +390,8 @@ def _wrap_trainer_load_checkpoint(original):
             cause = e.__cause__ or e.__context__
             if "architectures match" in str(e) and cause is not None and (
                     "do not fit the model being built" in str(cause) or isinstance(cause, ValueError)):
-                raise CheckpointError(f"cannot start from {filename}: {cause}") from e
+                other = other_kind_message(filename, self.cfg.model)
+                raise CheckpointError(f"cannot start from {filename}: {other or cause}") from e
             if isinstance(e, ValueError) and str(e).startswith("loaded state dict"):  # torch's optimizer
                 raise CheckpointError(
                     f"cannot resume the optimizer of {filename}: it holds the state of another model's "

@@ -110,6 +110,12 @@ def teacher_flags(config: Dict[str, Any], target: Target, extra: List[str]) -> L
     return flags
 
 
+# the archs of each LION model kind, as a user picks one
+ARCHS = {"lion_roberta": "lion_{lit,d,s}[_large|_tiny] (masked LM, from RoBERTa)",
+         "lion_lm": "lion_{lit,d,s}_lm[_tiny] (causal LM, from transformer_lm)",
+         "lion_transformer": "lion_{lit,d,s}_transformer[_iwslt_de_en|_tiny] (translation, from transformer)"}
+
+
 def target_of(arch: str, config: Dict[str, Any]) -> Target:
     """The LION model kind of ``arch``; refuses an arch of none, or one that does not start from the teacher."""
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
@@ -117,8 +123,7 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
     kind = ARCH_MODEL_NAME_REGISTRY.get(arch)
     if kind not in TARGETS:
         raise ValueError(f"--arch {arch} is not a LION arch that a softmax checkpoint converts into: pick one of "
-                         "lion_{lit,d,s}[_large|_tiny] (RoBERTa), lion_{lit,d,s}_lm[_tiny] (transformer_lm), "
-                         "lion_{lit,d,s}_transformer[_iwslt_de_en|_tiny] (transformer)")
+                         f"{', '.join(ARCHS.values())}")
     target = TARGETS[kind]
     teacher = ARCH_MODEL_NAME_REGISTRY.get(config.get("arch") or config.get("_name"))
     if teacher is not None and teacher != target.teacher:

@@ -236,6 +236,26 @@ def test_attention_transfer_refuses_unknown_parts(roberta, text_data_bin, tmp_pa
                     "--max-update", "1", "--save-dir", str(tmp_path))
 
 
+def test_attention_transfer_refuses_a_teacher_that_is_not_a_softmax_roberta(roberta, transformer_lm,
+                                                                            text_data_bin, tmp_path):
+    """--teacher must be a softmax RoBERTa of the student's width: a LION checkpoint trained the student
+    towards another LION without a word, a transformer_lm failed deep in fairseq's loading, a wider student
+    in the attention's own shape check."""
+    from lion_fairseq import convert
+    from lion_fairseq.criterions.attention_transfer import check_teacher
+
+    check_teacher(str(roberta))
+    assert convert.main([str(roberta), str(tmp_path / "lion.pt"), "--arch", "lion_d_tiny"]) == 0
+    for teacher, kind in ((tmp_path / "lion.pt", "lion_roberta"), (transformer_lm, "transformer_lm")):
+        with pytest.raises(ValueError, match=f"holds a {kind} .*not a softmax RoBERTa"):
+            check_teacher(str(teacher))
+    with pytest.raises(AssertionError, match="the teacher is 64 wide and the model 32: pass the teacher's "
+                                             "--encoder-embed-dim"):
+        fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,
+                    "--encoder-embed-dim", "32", "--criterion", "lion_attention_transfer", "--teacher", str(roberta),
+                    "--max-update", "1", "--save-dir", str(tmp_path / "run"))
+
+
 # ---- fairseq's transformer_lm -> lion_lm ------------------------------------------------------------------
 
 LM_SIZE = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
@@ -506,3 +526,30 @@ def test_transformer_finetune_from_model_and_convert_command(transformer, mt_dat
     teacher = state_of(transformer)
     assert all(torch.equal(hub.models[0].state_dict()[k], v) for k, v in teacher.items())
     assert len(hub.translate("w1 w2 w3", beam=2).split()) > 0
+
+
+def test_a_teacher_of_another_kind_names_the_arch_that_starts_from_it(roberta, transformer_lm, transformer,
+                                                                     text_data_bin, tmp_path):
+    """--finetune-from-model with a checkpoint of a kind the arch does not start from (a translation model
+    for a causal LM, ...): the first differing tensor would name an option that cannot make it fit; the
+    message names the kind and the archs that start from it."""
+    from types import SimpleNamespace
+
+    from lion_fairseq.clear_errors import other_kind_message
+
+    cases = [(transformer, "lion_s_lm_tiny", "lion_{lit,d,s}_transformer"),
+             (transformer_lm, "lion_s_transformer_tiny", "lion_{lit,d,s}_lm[_tiny]"),
+             (transformer_lm, "lion_s_tiny", "lion_{lit,d,s}_lm[_tiny]"),
+             (roberta, "lion_d_lm_tiny", "lion_{lit,d,s}[_large|_tiny]")]
+    for checkpoint, arch, pick in cases:
+        message = other_kind_message(str(checkpoint), SimpleNamespace(_name=arch))
+        assert message and f"pick an arch of {pick}" in message, (arch, message)
+    # a teacher of the arch's own kind, or a LION checkpoint of it, is for the weights to judge
+    assert other_kind_message(str(roberta), SimpleNamespace(_name="lion_s_tiny")) is None
+    assert other_kind_message(str(transformer_lm), SimpleNamespace(_name="lion_lit_lm")) is None
+    # through fairseq-train, where the message is the last line
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
+                           *TRAIN, "--arch", "lion_s_tiny", *SIZE, "--max-update", "1", "--save-dir", str(tmp_path),
+                           "--finetune-from-model", str(transformer_lm)], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "it holds a transformer_lm model" in proc.stderr.strip().splitlines()[-1]

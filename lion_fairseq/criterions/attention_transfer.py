@@ -17,6 +17,7 @@ teacher's attention output not reproduced (``sum |s - a|^2 / sum |a|^2`` over la
 Start the student from the teacher (``--finetune-from-model`` the same checkpoint, models/convert.py),
 then train as usual from the transfer's checkpoint. With ``--fp16`` fairseq's optimizer steps every
 parameter with a zero gradient: keep ``--weight-decay 0`` (its default) so that nothing else moves."""
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -48,6 +49,26 @@ def trained_parts(spec: str) -> List[str]:
     return [prefix for n in names for prefix in PARTS[n]]
 
 
+def check_teacher(path: str) -> None:
+    """``--teacher`` must hold a softmax RoBERTa: a LION checkpoint would train the student towards another
+    LION, and other kinds fail deep in fairseq's loading."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    from ..clear_errors import _safe_load
+    from ..convert import teacher_config
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--teacher {path} does not exist: pass the softmax RoBERTa checkpoint")
+    config = teacher_config(_safe_load(path))
+    arch = config.get("arch") or config.get("_name")
+    kind = ARCH_MODEL_NAME_REGISTRY.get(arch)
+    if kind != "roberta":
+        raise ValueError(f"--teacher {path} holds a {kind or 'model of unknown kind'} (--arch {arch}), not a softmax "
+                         "RoBERTa: attention transfer trains a LION encoder (--task masked_lm) towards a fairseq "
+                         "roberta checkpoint; a causal LM or translation model starts from its softmax checkpoint "
+                         "with --finetune-from-model instead")
+
+
 @register_criterion("lion_attention_transfer", dataclass=LionAttentionTransferConfig)
 class LionAttentionTransferCriterion(FairseqCriterion):
     def __init__(self, task, teacher: Optional[str] = None, transfer_params: str = "q_proj,k_proj,gate"):
@@ -57,6 +78,7 @@ class LionAttentionTransferCriterion(FairseqCriterion):
         self.trained = trained_parts(transfer_params)
         from fairseq import checkpoint_utils
 
+        check_teacher(teacher)
         models, _ = checkpoint_utils.load_model_ensemble([teacher], task=task)
         # a list, not a submodule: the teacher stays out of the optimizer and of every checkpoint
         self._teacher = [models[0].eval().requires_grad_(False)]
@@ -89,6 +111,9 @@ class LionAttentionTransferCriterion(FairseqCriterion):
         if len(states) != len(layers):
             raise ValueError(f"the teacher has {len(states)} layers and the model {len(layers)}: "
                              "pass the teacher's --encoder-layers")
+        if states[0][0].shape[-1] != layers[0].self_attn.embed_dim:
+            raise ValueError(f"the teacher is {states[0][0].shape[-1]} wide and the model "
+                             f"{layers[0].self_attn.embed_dim}: pass the teacher's --encoder-embed-dim")
         pad = src.eq(self.padding_idx)
         real = (~pad).t().unsqueeze(-1).to(states[0][1].dtype)  # (T, B, 1)
         tokens = real.sum() * states[0][1].shape[-1]
