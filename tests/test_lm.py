@@ -373,6 +373,21 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk=8)
 
 
+def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin):
+    """fairseq's hub sets any keyword of sample/generate on its generation config, where nothing reads an
+    unknown one: a misspelled temperature or a seed ran as if not passed. They stop, naming the option."""
+    from lion_fairseq import LionLanguageModel
+
+    ckpt, _ = trained
+    hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin))
+    with pytest.raises(ValueError, match=r"'temprature' \(did you mean 'temperature'\)"):
+        hub.sample("the value", sampling=True, temprature=0.5, max_len_b=4)
+    with pytest.raises(ValueError, match=r"'seed' \(not a generation option\).*torch\.manual_seed"):
+        hub.sample("the value", sampling=True, seed=7, max_len_b=4)
+    torch.manual_seed(0)
+    assert hub.sample("the value", sampling=True, temperature=0.5, sampling_topk=5, max_len_b=4)
+
+
 def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_data_bin):
     """An override of the feature map, the normalisation, the variant, ... loads without a tensor changing
     shape, and fairseq would run another model on the weights: it stops naming what was trained. The form

@@ -5,6 +5,7 @@ model into the data folder as ``sentencepiece.bpe.model`` (fairseq's released ta
 checkpoint): the hubs of the LION models use it when nothing else was asked for, and say so when there is
 none."""
 import argparse
+import difflib
 import logging
 import os
 import re
@@ -50,7 +51,35 @@ def bpe_from_data(hub, folders: Iterable[Optional[str]]) -> None:
                   "sentencepiece_model=...)", stacklevel=3)
 
 
-class ContinuationHubInterface(GeneratorHubInterface):
+def generation_keywords_message(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """Why ``unknown`` keywords of ``generate``/``sample``/``translate`` are refused, with the option each is
+    a near miss of."""
+    known = sorted(known)
+    named = []
+    for key in sorted(unknown):
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        named.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not a generation option'})")
+    seed = " (sampling repeats under torch.manual_seed)" if "seed" in unknown else ""
+    return (f"{', '.join(named)}: fairseq would set it on the generation config, where nothing reads it, and "
+            f"generate as if it were not passed{seed}. The keywords are fairseq-generate's options without the "
+            "dashes, with underscores (--sampling-topk -> sampling_topk)")
+
+
+class CheckedGeneratorHubInterface(GeneratorHubInterface):
+    """fairseq's ``GeneratorHubInterface`` (``sample``, ``translate``, ``generate``), refusing a keyword that
+    is no generation option (``temprature=0.5``, ``seed=7``), which fairseq accepts and ignores."""
+
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
+                 skip_invalid_size_inputs: bool = False, inference_step_args=None, prefix_allowed_tokens_fn=None,
+                 **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+        options = self.cfg.generation
+        if hasattr(options, "keys") and set(kwargs) - set(options.keys()):
+            raise ValueError(generation_keywords_message(set(kwargs) - set(options.keys()), options.keys()))
+        return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
+                                prefix_allowed_tokens_fn, **kwargs)
+
+
+class ContinuationHubInterface(CheckedGeneratorHubInterface):
     """fairseq's ``GeneratorHubInterface`` for a language model, with lengths counted after the prompt:
     ``sample(prompt, max_len_b=N)`` continues each prompt by up to ``max_len_a * len(prompt) + N`` tokens,
     and ``min_len`` counts new tokens too. fairseq's own counts the prompt in, so a prompt longer than N
@@ -136,7 +165,7 @@ class DataBpeHub:
     (``sample``/``generate``, ``translate``; the class in ``hub_interface``): with no BPE passed or named by
     the checkpoint, the data's ``sentencepiece.bpe.model`` encodes the inputs (``bpe_from_data``)."""
 
-    hub_interface = GeneratorHubInterface
+    hub_interface = CheckedGeneratorHubInterface
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
