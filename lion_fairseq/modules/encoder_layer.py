@@ -13,10 +13,10 @@ from torch import Tensor
 
 from .lion_attention import LionAttention
 
-# tokens per block of the recurrent form's blockwise inference: small next to a long sequence, large
-# enough that the projections and FFN stay efficient matmuls
 logger = logging.getLogger(__name__)
 
+# tokens per block of the recurrent form's blockwise inference: small next to a long sequence, large
+# enough that the projections and FFN stay efficient matmuls
 BLOCK_TOKENS = 256
 
 
