@@ -2,7 +2,6 @@
 ``T x B x C`` layout, with incremental (recurrent) decoding state."""
 import functools
 import logging
-import numbers
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -11,7 +10,8 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
-from ..ops import FORMS, block_attention, causal_state, lion_attention, lion_step, state_after, state_before
+from ..ops import (FORMS, block_attention, causal_state, is_chunk_size, lion_attention, lion_step, state_after,
+                   state_before)
 from ..ops.float32 import float32_math
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
 
@@ -29,7 +29,7 @@ def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: st
         raise ValueError(f"--lion-variant must be one of {VARIANTS}; got {variant!r}")
     if form not in FORMS:
         raise ValueError(f"--lion-form must be one of {FORMS}; got {form!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+    if not is_chunk_size(chunk_size):
         raise ValueError(f"--lion-chunk-size must be an integer >= 1; got {chunk_size!r}")
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"--lion-feature-map must be one of {tuple(FEATURE_MAPS)}; got {feature_map!r}")

@@ -1,9 +1,9 @@
 """The LION operator in pure PyTorch (no fairseq import): parallel, chunkwise and recurrent forms."""
-from .attention import FORMS, lion_attention
+from .attention import FORMS, is_chunk_size, lion_attention
 from .blockwise import block_attention, state_after, state_before
 from .memory import memory_state, read_memory
 from .recurrent import causal_state, lion_step
 from .workspace import release_workspace
 
-__all__ = ["FORMS", "block_attention", "causal_state", "lion_attention", "lion_step", "memory_state", "read_memory",
-           "release_workspace", "state_after", "state_before"]
+__all__ = ["FORMS", "block_attention", "causal_state", "is_chunk_size", "lion_attention", "lion_step", "memory_state",
+           "read_memory", "release_workspace", "state_after", "state_before"]

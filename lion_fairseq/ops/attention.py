@@ -55,6 +55,11 @@ def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -
     return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
+def is_chunk_size(chunk_size: object) -> bool:
+    """An integer >= 1, of any integer type (numpy's, say); not bool, which is one."""
+    return isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool) and chunk_size >= 1
+
+
 @float32_math
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
                    log_a_bwd: Optional[Tensor] = None, *, form: str = "parallel", causal: bool = False,
@@ -91,8 +96,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
-    # any integer type (numpy's, say); not bool, which is one
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+    if not is_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
     chunk_size = int(chunk_size)
     if q.dim() != 4:
