@@ -122,7 +122,7 @@ def _wrap_load_checkpoint_to_cpu(original):
         unknown = unknown_override_message(state.get("cfg"), arg_overrides or {})
         if unknown:
             raise ValueError(f"{path}: {unknown}")
-        model = (state.get("cfg") or {}).get("model") if state.get("cfg") is not None else None
+        model = (state.get("cfg") or {}).get("model")
         changed = changed_model_message(model, fixed) if fixed and model is not None else None
         if changed:
             raise ValueError(f"{path}: {changed}")
@@ -357,14 +357,12 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
     first difference would otherwise name an option that cannot make them fit."""
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    from .convert import ARCHS, TARGETS, teacher_config
+    from .convert import ARCHS, TARGETS, teacher_config, trained_model
 
     try:
-        config = teacher_config(_safe_load(filename))
+        arch, theirs = trained_model(teacher_config(_safe_load(filename)))
     except Exception:
         return None
-    arch = config.get("arch") or config.get("_name")
-    theirs = ARCH_MODEL_NAME_REGISTRY.get(arch)
     ours = ARCH_MODEL_NAME_REGISTRY.get(getattr(model_cfg, "_name", None))
     if theirs is None or ours not in TARGETS or theirs in (ours, TARGETS[ours].teacher):
         return None

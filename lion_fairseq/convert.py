@@ -91,6 +91,14 @@ def teacher_config(state: Dict) -> Dict[str, Any]:
     return config
 
 
+def trained_model(config: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """(arch, fairseq model name) that a checkpoint's ``teacher_config`` was trained as; None where unknown."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    arch = config.get("arch") or config.get("_name")
+    return arch, ARCH_MODEL_NAME_REGISTRY.get(arch)
+
+
 def teacher_flags(config: Dict[str, Any], target: Target, extra: List[str]) -> List[str]:
     """The command-line options that give the LION model its teacher's sizes and structure, leaving out
     any the user passed (in either spelling of a switch)."""
@@ -125,7 +133,7 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
         raise ValueError(f"--arch {arch} is not a LION arch that a softmax checkpoint converts into: pick one of "
                          f"{', '.join(ARCHS.values())}")
     target = TARGETS[kind]
-    teacher = ARCH_MODEL_NAME_REGISTRY.get(config.get("arch") or config.get("_name"))
+    _, teacher = trained_model(config)
     if teacher is not None and teacher != target.teacher:
         starts = {t.teacher: name for name, t in TARGETS.items()}
         hint = (f"a {starts[teacher]} arch" if teacher in starts
