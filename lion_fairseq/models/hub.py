@@ -73,8 +73,9 @@ class CheckedGeneratorHubInterface(GeneratorHubInterface):
                  skip_invalid_size_inputs: bool = False, inference_step_args=None, prefix_allowed_tokens_fn=None,
                  **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
         options = self.cfg.generation
-        if hasattr(options, "keys") and set(kwargs) - set(options.keys()):
-            raise ValueError(generation_keywords_message(set(kwargs) - set(options.keys()), options.keys()))
+        unknown = set(kwargs) - set(options.keys()) if hasattr(options, "keys") else set()
+        if unknown:
+            raise ValueError(generation_keywords_message(unknown, options.keys()))
         return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
                                 prefix_allowed_tokens_fn, **kwargs)
 
