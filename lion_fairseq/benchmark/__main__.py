@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import operator as op
-from .operator import fmt, threads_name
+from .operator import fmt, speedup, threads_name
 from .layer import LIMITS
 from .plotting import against_length, pyplot
 
@@ -79,10 +79,6 @@ def layer_tables(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     return num / den if num and den else None
-
-
-def times(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def targets(results: Dict[str, Dict[int, Dict]], flops: Dict[int, Dict], peak_gflops: Optional[float],
@@ -137,11 +133,11 @@ def scaling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[
     for L in lengths:
         for name, _, _ in SCALING_CONFIGS:
             secs = [scaling[t].get(name, {}).get(L, {}).get("fwdbwd") for t in counts]
-            gain = ratio(scaling[few].get(name, {}).get(L, {}).get("fwdbwd"),
-                         scaling[most].get(name, {}).get(L, {}).get("fwdbwd"))
-            vs = [ratio(scaling[t].get("softmax", {}).get(L, {}).get("fwdbwd"), x) for t, x in zip(counts, secs)]
-            lines.append(f"| {L} | {name} | " + " | ".join(fmt(x) for x in secs) + f" | {times(gain)} | " +
-                         " | ".join(times(x) for x in vs) + " |")
+            gain = speedup(scaling[few].get(name, {}).get(L, {}).get("fwdbwd"),
+                           scaling[most].get(name, {}).get(L, {}).get("fwdbwd"))
+            vs = [speedup(scaling[t].get("softmax", {}).get(L, {}).get("fwdbwd"), x) for t, x in zip(counts, secs)]
+            lines.append(f"| {L} | {name} | " + " | ".join(fmt(x) for x in secs) + f" | {gain} | " +
+                         " | ".join(vs) + " |")
     return lines
 
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .operator import threads_name
+from .operator import speedup, threads_name
 from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
@@ -275,15 +275,14 @@ def scaling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[
         [f"gain from {few} to {threads_name(most)}"] + [f"vs roberta_base, {threads_name(t)}" for t in counts]
     lines = ["| " + " | ".join(head) + " |", "|---:|---|---|" + "---:|" * (len(head) - 3)]
     seconds = lambda t, key, L: scaling[t].get(key, {}).get(L, {}).get("infer_s")  # noqa: E731
-    times = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
     for L in lengths:
         for name, _, _ in SCALING_SERIES:
             for dtype in ("fp32", "bf16"):
                 key = f"{name} {dtype}"
                 rates = [fmt(L / s) if s else "-" for s in (seconds(t, key, L) for t in counts)]
-                vs = [times(seconds(t, f"roberta_base {dtype}", L), seconds(t, key, L)) for t in counts]
+                vs = [speedup(seconds(t, f"roberta_base {dtype}", L), seconds(t, key, L)) for t in counts]
                 lines.append(f"| {L} | {name} | {dtype} | " + " | ".join(rates) +
-                             f" | {times(seconds(few, key, L), seconds(most, key, L))} | " + " | ".join(vs) + " |")
+                             f" | {speedup(seconds(few, key, L), seconds(most, key, L))} | " + " | ".join(vs) + " |")
     return lines
 
 

@@ -195,6 +195,11 @@ def run_child(args: argparse.Namespace, impl: str, L: int) -> Dict[str, Optional
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def speedup(num: Optional[float], den: Optional[float]) -> str:
+    """``num / den`` as a table's speed-up (``2.50x``), ``-`` where either was not measured."""
+    return f"{num / den:.2f}x" if num and den else "-"
+
+
 def threads_name(n: int) -> str:
     return f"{n} thread" + ("s" if n > 1 else "")
 
