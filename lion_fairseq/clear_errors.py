@@ -86,13 +86,18 @@ FIXED_BY_TRAINING = ("lion_variant", "lion_feature_map", "lion_normalize", "lion
 
 def changed_model_message(model_cfg: Any, fixed: Dict[str, Any]) -> Optional[str]:
     """What is wrong with overrides of ``FIXED_BY_TRAINING`` options (``fixed``) whose values differ from
-    the checkpoint's model config; None where each equals what was trained."""
-    def trained(key: str) -> str:
-        value = getattr(model_cfg, key, None)
+    what a model built from the checkpoint's model config runs with; None where each equals it."""
+    from .models.lion_options import built_value
+
+    def same(trained: Any, value: Any) -> bool:  # 1 and 1.0, True and 'True' alike
+        return trained == value or str(trained) == str(value)
+
+    def shown(value: Any) -> str:  # None: a translation model's fairseq positions
         return "the arch's default" if value is None else repr(value)
 
-    changed = [f"{key}={value!r} (trained with {trained(key)})" for key, value in fixed.items()
-               if str(getattr(model_cfg, key, None)) != str(value)]
+    trained = {key: built_value(model_cfg, key) for key in fixed}
+    changed = [f"{key}={value!r} (trained with {shown(trained[key])})" for key, value in fixed.items()
+               if not same(trained[key], value)]
     if not changed:
         return None
     return (f"--model-overrides (or the hub's keyword arguments) change the model the weights were trained as: "

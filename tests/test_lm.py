@@ -391,14 +391,20 @@ def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin)
 def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_data_bin):
     """An override of the feature map, the normalisation, the variant, ... loads without a tensor changing
     shape, and fairseq would run another model on the weights: it stops naming what was trained. The form
-    switches, and an override equal to what was trained changes nothing and loads."""
+    switches, and an override equal to what was trained changes nothing and loads, also where the
+    checkpoint holds None because the arch decided (the feature map, positions and levers of lion_s_lm)."""
     from lion_fairseq import LionLanguageModel
 
     ckpt, _ = trained
     with pytest.raises(ValueError, match=r"lion_normalize=False \(trained with (True|the arch's default)\)"):
         eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_normalize': False}")
-    with pytest.raises(ValueError, match=r"lion_feature_map='elu' \(trained with .*lion_form and lion_chunk_size"):
+    with pytest.raises(ValueError, match=r"lion_feature_map='elu' \(trained with 'silu_norm'\).*lion_form and "
+                                         r"lion_chunk_size"):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_feature_map="elu")
-    trained_variant = torch.load(ckpt, weights_only=True)["cfg"]["model"]["lion_variant"]
+    with pytest.raises(ValueError, match=r"lion_positions='learned' \(trained with 'none'\)"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_positions="learned")
+    model = torch.load(ckpt, weights_only=True)["cfg"]["model"]
+    assert model["lion_feature_map"] is None and model["lion_positions"] is None  # the arch decided
     assert LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_form="recurrent",
-                                             lion_variant=trained_variant)
+                                             lion_variant=model["lion_variant"], lion_feature_map="silu_norm",
+                                             lion_positions="none", lion_gate_temperature=1, lion_short_conv=0)

@@ -184,3 +184,22 @@ def test_decode_benchmark_state_grows_only_with_softmax_attention(tmp_path):
     assert mib["lion_s linear cross-attn", 8] == mib["lion_s linear cross-attn", 32]
     assert mib["lion_s", 8] < mib["lion_s", 32] and mib["transformer", 8] < mib["transformer", 32]
     assert "| 32 | lion_s linear cross-attn |" in decode_table(rows)
+
+
+def test_override_of_what_the_weights_were_trained_as_is_refused(mt_data, trained):
+    """Cross-attention's kind and the positions change no tensor's shape: loaded with another value, the
+    weights would run as another model. They are refused, naming what was trained; values equal to what
+    the model was built with (the arch's feature map and levers, which the checkpoint holds as None or
+    as their values) load."""
+    import lion_fairseq  # noqa: F401
+    from lion_fairseq.models.lion_transformer import LionTransformerModel
+
+    def hub(**overrides):
+        return LionTransformerModel.from_pretrained(str(trained.parent), trained.name, str(mt_data), **overrides)
+
+    with pytest.raises(ValueError, match=r"lion_cross_attention='linear' \(trained with 'softmax'\)"):
+        hub(lion_cross_attention="linear")
+    with pytest.raises(ValueError, match=r"lion_positions='none' \(trained with the arch's default\)"):
+        hub(lion_positions="none")  # fairseq's sinusoidal positions: 'none' would drop them
+    assert hub(lion_form="recurrent", lion_cross_attention="softmax", lion_feature_map="silu_norm",
+               lion_gate_temperature=1, lion_output_gate=False)

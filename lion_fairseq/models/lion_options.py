@@ -105,14 +105,39 @@ def set_unset_from(args: Any, config_cls: type) -> None:
 def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:
     """Keyword arguments of ``LionAttention`` from a model config (dataclass, DictConfig or Namespace);
     raises ValueError naming the option when a value is wrong."""
-    variant = str(getattr(cfg, "lion_variant", None) or "s")
-    feature_map = getattr(cfg, "lion_feature_map", None) or DEFAULT_FEATURE_MAP.get(variant, "elu")
-    kwargs = dict(variant=variant, form=str(cfg.lion_form), chunk_size=cfg.lion_chunk_size,
-                  feature_map=str(feature_map), normalize=bool(cfg.lion_normalize),
+    kwargs = dict(variant=_variant(cfg), form=str(cfg.lion_form), chunk_size=cfg.lion_chunk_size,
+                  feature_map=_feature_map(cfg), normalize=bool(cfg.lion_normalize),
                   norm_after=bool(cfg.lion_norm_after), **lever_kwargs(cfg))
     check_lion_options(kwargs["variant"], kwargs["form"], kwargs["chunk_size"], kwargs["feature_map"],
                        kwargs["normalize"], kwargs["gate_temperature"], kwargs["short_conv"])
     return kwargs
+
+
+def _variant(cfg: Any) -> str:
+    return str(getattr(cfg, "lion_variant", None) or "s")
+
+
+def _feature_map(cfg: Any) -> str:
+    return str(getattr(cfg, "lion_feature_map", None) or DEFAULT_FEATURE_MAP.get(_variant(cfg), "elu"))
+
+
+# the levers' LionAttention arguments by option
+LEVERS = {"lion_gate_temperature": "gate_temperature", "lion_output_gate": "output_gate",
+          "lion_short_conv": "short_conv"}
+
+
+def built_value(cfg: Any, key: str) -> Any:
+    """The value that a model built from ``cfg`` runs with for option ``key``: where the config holds None
+    (the arch decided, or the checkpoint predates the option), the value building resolves it to. A
+    translation config's unset ``lion_positions`` means fairseq's own positions (sinusoidal, or
+    ``--encoder-learned-pos``): it stays None."""
+    if key == "lion_feature_map":
+        return _feature_map(cfg)
+    if key in LEVERS:
+        return lever_kwargs(cfg)[LEVERS[key]]
+    if key == "lion_positions" and getattr(cfg, "encoder_learned_pos", None) is None:
+        return lion_positions(cfg)
+    return getattr(cfg, key, None)
 
 
 def lever_kwargs(cfg: Any) -> Dict[str, Any]:
@@ -153,5 +178,4 @@ def _recomputed(forward: Callable, offload: bool, *args: Any, **kwargs: Any) -> 
 
 
 def lion_positions(cfg: Any) -> str:
-    variant = str(getattr(cfg, "lion_variant", None) or "s")
-    return str(getattr(cfg, "lion_positions", None) or DEFAULT_POSITIONS[variant])
+    return str(getattr(cfg, "lion_positions", None) or DEFAULT_POSITIONS[_variant(cfg)])
