@@ -479,11 +479,14 @@ def embed_tokens_checked(embed: torch.nn.Embedding, tokens: torch.Tensor) -> tor
             "dict.txt written next to these .bin files") from e
 
 
-def check_learned_positions(longest: int, max_positions: int) -> None:
-    """Learned absolute positions (LION-LIT) stop at the training length; say so, and what to pass."""
+def check_learned_positions(longest: int, max_positions: int,
+                            shorter: str = "shorter inputs (--tokens-per-sample, --max-positions, --truncate-sequence)"
+                            ) -> None:
+    """Learned absolute positions (LION-LIT) stop at the training length; say so, and what to pass
+    (``shorter``: how to shorten the input where it comes from)."""
     if longest > max_positions:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the {max_positions} learned positions of this model "
             "(--lion-positions learned, LION-LIT's default; --max-positions / --tokens-per-sample at training): "
-            "use shorter inputs (--tokens-per-sample, --max-positions, --truncate-sequence), or train with "
-            "--lion-positions none, or LION-D / LION-S, which have no positions and no length limit")
+            f"use {shorter}, or train with --lion-positions none, or LION-D / LION-S, which have no positions "
+            "and no length limit")

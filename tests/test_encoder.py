@@ -212,10 +212,12 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin):
     with torch.no_grad():
         feats = hub_chunk.extract_features(long)
     assert feats.shape == (1, len(long), 128) and torch.isfinite(feats).all()
-    # learned positions (LIT) stop at the trained length, with RoBERTa's message
+    # learned positions (LIT) stop at the trained length, saying what to do
     lit = LionRobertaModel.from_pretrained(str(mlm("lit")[0]), "checkpoint_last.pt", str(text_data_bin))
-    with pytest.raises(ValueError, match="exceeds maximum length"):
+    with pytest.raises(ValueError, match=r"321 tokens exceeds the 64 learned positions.*--lion-positions none"):
         lit.extract_features(long)
+    with pytest.raises(ValueError, match=r"321 tokens exceeds the 64 learned positions"):
+        lit.predict("head", long)
 
 
 def _labelled_data(root: Path, dict_txt: Path) -> Path:

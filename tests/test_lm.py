@@ -5,6 +5,8 @@ import os
 import re
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,17 +350,45 @@ def test_a_padded_decoding_step_leaves_the_state_unchanged(variant):
     assert not torch.allclose(skipped[0][:, 0], plain[1][:, 0])  # the check has teeth: token 3 matters
 
 
-def test_eval_lm_past_learned_positions_is_refused(text_data_bin, tmp_path):
+@pytest.fixture(scope="module")
+def lit_trained(text_data_bin, tmp_path_factory):
+    """A tiny LION-LIT LM (64 learned positions) trained for 2 updates."""
+    save = tmp_path_factory.mktemp("lit_lm_ckpt")
+    train(text_data_bin, save, 2, "--arch", "lion_lit_lm_tiny")
+    return save / "checkpoint_last.pt"
+
+
+def test_eval_lm_past_learned_positions_is_refused(text_data_bin, lit_trained):
     """LION-LIT trained with 64 learned positions, scored with --tokens-per-sample 256: fairseq-eval-lm
     would skip every sample longer than 64 with one log line and print a loss over the few left (issue
     28); it stops instead, saying how much would be left out and what to pass. At 64 it scores them all."""
-    train(text_data_bin, tmp_path, 2, "--arch", "lion_lit_lm_tiny")
-    ckpt = tmp_path / "checkpoint_last.pt"
+    ckpt = lit_trained
     with pytest.raises(ValueError, match=r"longer than the model's 64 positions.*pass --tokens-per-sample 64") as e:
         eval_lm_in_process(text_data_bin, ckpt, "--tokens-per-sample", "256")
     covered, total = map(int, re.search(r"cover (\d+) of (\d+) tokens", str(e.value)).groups())
     assert covered < total / 10
     assert 3.0 < eval_lm_in_process(text_data_bin, ckpt) < 20.0
+
+
+def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
+    """The hub's sample() on LION-LIT's 64 learned positions: a longer prompt is refused naming them and
+    what to do (fairseq's message named a command-line option the hub has not) or skipped when asked; a
+    continuation that would run past them warns how many tokens it stops at (fairseq cut it short
+    silently), and gives that many."""
+    from lion_fairseq import LionLanguageModel
+
+    hub = LionLanguageModel.from_pretrained(str(lit_trained.parent), lit_trained.name, str(text_data_bin))
+    words = " ".join(Path(text_data_bin).parent.joinpath("train.txt").read_text().split()[:80]).split()
+    with pytest.raises(ValueError, match=r"74 tokens exceeds the 64 learned positions.*a shorter prompt"):
+        hub.sample(" ".join(words[:74]), max_len_b=5)
+    assert hub.sample([" ".join(words[:74]), " ".join(words[:10])], max_len_b=3, skip_invalid_size_inputs=True)
+    with pytest.warns(UserWarning, match=r"a prompt of 61 tokens continues by at most 2 tokens, not 20"):
+        tokens = hub.generate(hub.encode(" ".join(words[:61])), beam=1, max_len_b=20, min_len=2)[0]["tokens"]
+    eos = hub.task.source_dictionary.eos()
+    assert int(tokens.ne(eos).sum()) == 63  # the prompt and 2 new tokens (the last position is for </s>)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*learned positions")
+        hub.generate(hub.encode(" ".join(words[:40])), beam=1, max_len_b=5)
 
 
 def test_misspelled_model_override_is_refused(trained, text_data_bin):

@@ -16,6 +16,8 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from fairseq.hub_utils import GeneratorHubInterface
 
+from ..clear_errors import check_learned_positions
+
 logger = logging.getLogger(__name__)
 
 SPM = "sentencepiece.bpe.model"
@@ -87,7 +89,9 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
     came back cut to its first N tokens with nothing generated.
 
     The generator's length limit is one number per batch, so prompts are generated in groups of one
-    length (each group still one batch of fairseq's)."""
+    length (each group still one batch of fairseq's). Learned positions (LION-LIT's) bound prompt and
+    continuation together: a longer prompt is refused (or skipped with ``skip_invalid_size_inputs``), and
+    a continuation that would run past them warns that it stops there."""
 
     def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
                  skip_invalid_size_inputs: bool = False, inference_step_args=None, prefix_allowed_tokens_fn=None,
@@ -104,7 +108,16 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
             # encode() ends a prompt with </s>, which the task strips before it becomes the prefix
             groups[len(tokens) - int(len(tokens) > 0 and tokens[-1] == eos)].append(i)
         outputs: List[Optional[List[Dict[str, torch.Tensor]]]] = [None] * len(tokenized_sentences)
+        limit = min(model.max_positions() for model in self.models)  # bounded by learned positions only
         for prompt, ids in groups.items():
+            if not skip_invalid_size_inputs:
+                check_learned_positions(prompt, limit, shorter="a shorter prompt (or skip_invalid_size_inputs=True "
+                                                               "to skip it)")
+            wanted = int(per_prompt * prompt + new)
+            if prompt <= limit and prompt + wanted >= limit:  # the generator stops one short of the limit
+                warnings.warn(f"a prompt of {prompt} tokens continues by at most {max(0, limit - 1 - prompt)} "
+                              f"tokens, not {wanted}: the model's {limit} learned positions (--lion-positions "
+                              "learned, LION-LIT's default) bound prompt and continuation together")
             hypos = super().generate([tokenized_sentences[i] for i in ids], beam, verbose, skip_invalid_size_inputs,
                                      inference_step_args, prefix_allowed_tokens_fn, max_len_a=0,
                                      max_len_b=prompt + int(per_prompt * prompt + new), min_len=prompt + min_new,

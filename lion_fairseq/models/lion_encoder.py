@@ -202,6 +202,12 @@ class LionHubInterface(RobertaHubInterface):
         if self.bpe is None:
             self.bpe = _WhitespaceTokens()
 
+    def extract_features(self, tokens: torch.LongTensor, return_all_hiddens: bool = False) -> torch.Tensor:
+        """RoBERTa's, with learned positions' length limit (LION-LIT) saying what to do."""
+        check_learned_positions(tokens.size(-1), self.model.max_positions(),
+                                shorter="a shorter input (<s> and </s> count)")
+        return super().extract_features(tokens, return_all_hiddens)
+
     def fill_mask(self, masked_input: str, topk: int = 5) -> List[Tuple[str, float, str]]:
         """Top-k fillers of the single ``<mask>`` in ``masked_input``: a list of (filled sentence,
         probability, token), most probable first. The probabilities are the model's over its whole
