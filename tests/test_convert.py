@@ -126,6 +126,9 @@ def test_finetune_from_model_starts_lion_from_roberta(roberta, text_data_bin, tm
     log = proc.stdout + proc.stderr
     assert "dropped what this LION model has no use for" in log and "embed_positions" in log
     assert "gate_proj.bias" in log and "\"num_updates\": \"2\"" in log
+    heads = SIZE[SIZE.index("--encoder-attention-heads") + 1]
+    assert f"not in the weights, so taken from this model's options (pass the teacher's where they differ): " \
+           f"{heads} heads, post-norm layers, activation gelu" in log
 
 
 def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_path):
@@ -516,8 +519,13 @@ def test_transformer_finetune_from_model_and_convert_command(transformer, mt_dat
     from lion_fairseq.convert import main
     from lion_fairseq.models.lion_transformer import LionTransformerModel
 
-    fairseq_cli("train", str(mt_data), "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "lion_s_transformer_tiny",
-                "--max-update", "2", "--save-dir", str(tmp_path / "run"), "--finetune-from-model", str(transformer))
+    proc = fairseq_cli("train", str(mt_data), "--user-dir", USER_DIR, *MT_TRAIN, "--arch", "lion_s_transformer_tiny",
+                       "--max-update", "2", "--save-dir", str(tmp_path / "run"), "--finetune-from-model",
+                       str(transformer))
+    # what the weights cannot show is logged for the user to check against the teacher
+    heads = MT_SIZE[MT_SIZE.index("--encoder-attention-heads") + 1]
+    assert (f"encoder: {heads} heads, post-norm layers; decoder: {heads} heads, post-norm layers; activation relu; "
+            "encoder sinusoidal positions, decoder sinusoidal positions") in proc.stdout + proc.stderr
     started = torch.load(tmp_path / "run" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert started["optimizer_history"][-1]["num_updates"] == 2
     out = tmp_path / "lion_d.pt"

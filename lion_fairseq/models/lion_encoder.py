@@ -112,6 +112,9 @@ class LionSentenceEncoder(FairseqEncoder):
             else nn.ModuleList(layers)
         # pre-norm leaves the residual stream unnormalised: one LayerNorm at the end, as fairseq does
         self.layer_norm = LayerNorm(embed_dim) if cfg.encoder_normalize_before else None
+        # what a checkpoint's weights cannot show
+        self.unseen = (f"{cfg.encoder_attention_heads} heads, {'pre' if cfg.encoder_normalize_before else 'post'}-norm "
+                       f"layers, activation {cfg.activation_fn}")
 
     def forward(self, src_tokens: Tensor, return_all_hiddens: bool = False, **unused) -> Dict[str, List[Tensor]]:
         """src_tokens: ``(B, T)``. Returns ``encoder_out`` ``[(T, B, C)]``, ``encoder_padding_mask``
@@ -262,11 +265,14 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
         """RoBERTa's renaming and head reconciliation, then a softmax RoBERTa's weights made this model's
         (``models/convert.py``): what fairseq runs before every strict load, so ``--finetune-from-model
-        roberta.base/model.pt`` and ``--restore-file`` with ``--reset-*`` start LION from it."""
+        roberta.base/model.pt`` and ``--restore-file`` with ``--reset-*`` start LION from it. What the
+        weights cannot show is logged: it must be the teacher's."""
         super().upgrade_state_dict_named(state_dict, name)
         prefix = name + "." if name else ""
         if is_softmax_roberta(state_dict, prefix):
             softmax_to_lion(self, state_dict, prefix)
+            logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where "
+                        f"they differ): {self.encoder.sentence_encoder.unseen}")
 
     @classmethod
     def add_args(cls, parser) -> None:

@@ -15,6 +15,7 @@ Layer and module names are fairseq's, so a softmax ``transformer`` checkpoint st
 (``upgrade_state_dict_named``, ``models/convert.py``): every tensor loads as it is, cross-attention's
 into either kind, and LION-D/S gates start by the rule."""
 import argparse
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional
 
@@ -35,6 +36,8 @@ from .convert import TRANSLATION, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
                            set_unset)
+
+logger = logging.getLogger(__name__)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
@@ -130,11 +133,28 @@ class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
         """fairseq's own upgrades, then a softmax ``transformer``'s weights made this model's: what fairseq
-        runs before every strict load, so ``--finetune-from-model transformer.pt`` starts LION from it."""
+        runs before every strict load, so ``--finetune-from-model transformer.pt`` starts LION from it. What
+        the weights cannot show is logged: it must be the teacher's."""
         super().upgrade_state_dict_named(state_dict, name)
         prefix = name + "." if name else ""
         if is_softmax_transformer(self, state_dict, prefix):
             softmax_to_lion(self, state_dict, prefix, TRANSLATION)
+            logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where "
+                        f"they differ): {self.unseen()}")
+
+    def unseen(self) -> str:
+        """The structure that a checkpoint's weights cannot show (heads, norms' places, activation, sinusoidal
+        positions, embedding scale)."""
+        cfg = self.cfg
+        if cfg.no_token_positional_embeddings:
+            positions = "no positions"
+        else:
+            positions = ", ".join(f"{side} {'learned' if c.learned_pos else 'sinusoidal'} positions"
+                                  for side, c in (("encoder", cfg.encoder), ("decoder", cfg.decoder)))
+        sides = "; ".join(f"{side}: {c.attention_heads} heads, {'pre' if c.normalize_before else 'post'}-norm layers"
+                          for side, c in (("encoder", cfg.encoder), ("decoder", cfg.decoder)))
+        scale = "unscaled" if cfg.no_scale_embedding else "scaled by sqrt(width)"
+        return f"{sides}; activation {cfg.activation_fn}; {positions}; embeddings {scale}"
 
     @classmethod
     def build_model(cls, cfg, task):
