@@ -18,6 +18,7 @@ Any other fairseq option of the arch may follow (``--lion-*``, ...)."""
 import argparse
 import os
 import re
+import shlex
 import string
 import sys
 from dataclasses import dataclass
@@ -169,8 +170,11 @@ def check_dictionaries(data: str, target: Target, config: Dict[str, Any], extra:
             raise FileNotFoundError(f"no {name} in {data}: pass --data <the folder of the teacher's {name}>")
 
 
-def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, extra: Optional[List[str]] = None):
-    """Writes the converted checkpoint to ``out``; returns the LION model (in eval mode)."""
+def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
+            extra: Optional[List[str]] = None) -> Tuple[torch.nn.Module, List[str]]:
+    """Writes the converted checkpoint to ``out``; returns the LION model (in eval mode) and the options
+    that build it again under ``--arch arch``: the teacher's sizes and structure where the arch's own
+    differ, and ``extra``."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from omegaconf import OmegaConf
@@ -191,9 +195,13 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
     target = target_of(arch, config)
     data = data or os.path.dirname(os.path.abspath(checkpoint))
     check_dictionaries(data, target, config, extra)
-    parser = options.get_training_parser()
-    ns = options.parse_args_and_arch(parser, [data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch,
-                                              *teacher_flags(config, target, extra), *extra])
+    def parsed(flags: List[str]) -> argparse.Namespace:
+        return options.parse_args_and_arch(options.get_training_parser(), [
+            data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch, *flags, *extra])
+
+    ns = parsed(teacher_flags(config, target, extra))
+    plain = parsed([])
+    differing = {key: value for key, value in config.items() if getattr(ns, key, None) != getattr(plain, key, None)}
     cfg = convert_namespace_to_omegaconf(ns)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
@@ -204,7 +212,7 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None, ex
                                        "lr_scheduler_state": {}, "num_updates": 0}],
                 "task_state": {}, "extra_state": {"converted_from": os.path.abspath(checkpoint)},
                 "last_optimizer_state": None}, out)
-    return model.eval()
+    return model.eval(), teacher_flags(differing, target, extra) + extra
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -216,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--data", help="folder of the teacher's dictionaries (default: the checkpoint's folder)")
     args, extra = p.parse_known_args(argv)
     try:
-        model = convert(args.checkpoint, args.out, args.arch, args.data, extra)
+        model, flags = convert(args.checkpoint, args.out, args.arch, args.data, extra)
     except (ValueError, FileNotFoundError) as e:
         print(f"lion_fairseq.convert: {e}", file=sys.stderr)
         return 2
@@ -224,8 +232,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     hub = TARGETS[ARCH_MODEL_NAME_REGISTRY[args.arch]].hub
     params = sum(p.numel() for p in model.parameters())
+    # fairseq-train builds the model from its command line: what the teacher set must be given again
     print(f"wrote {args.out}: {args.arch}, {params / 1e6:.1f}M parameters. Start from it with fairseq-train "
-          f"--user-dir {PACKAGE_DIR} --arch {args.arch} --finetune-from-model {args.out} ..., or load it with "
+          f"--user-dir {PACKAGE_DIR} --arch {' '.join([args.arch, *map(shlex.quote, flags)])} "
+          f"--finetune-from-model {args.out} ..., or load it with "
           f"{hub}.from_pretrained({os.path.dirname(os.path.abspath(args.out))!r}, "
           f"{os.path.basename(args.out)!r}, <data>)")
     return 0

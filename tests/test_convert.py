@@ -7,6 +7,7 @@ named."""
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -398,7 +399,14 @@ def test_lm_convert_command_reads_the_structure_then_hub(transformer_lm, text_da
     out = tmp_path / "lion_lit_lm.pt"
     # in process: the RoBERTa test above runs the same main() as `python -m lion_fairseq.convert`
     assert main([str(transformer_lm), str(out), "--arch", "lion_lit_lm_tiny", "--data", str(text_data_bin)]) == 0
-    assert "LionLanguageModel.from_pretrained" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "LionLanguageModel.from_pretrained" in printed
+    # the command it prints gives the teacher's structure and the sizes the arch's differ in, and runs
+    flags = shlex.split(printed.split(" --arch ")[1].split(" --finetune-from-model ")[0])
+    assert {"--no-decoder-normalize-before", "relu", "--decoder-embed-dim"} <= set(flags)
+    proc = fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *LM_TRAIN, "--arch", *flags,
+                       "--finetune-from-model", str(out), "--max-update", "1", "--save-dir", str(tmp_path / "run"))
+    assert "\"num_updates\": \"1\"" in proc.stdout
     hub = LionLanguageModel.from_pretrained(str(tmp_path), out.name, str(text_data_bin))
     mine, teacher = hub.models[0].state_dict(), state_of(transformer_lm)
     assert all(torch.equal(mine[k], teacher[k]) for k in teacher if k != "decoder.version")
