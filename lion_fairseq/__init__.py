@@ -1,27 +1,49 @@
 """lion-fairseq: LION attention for fairseq. Importing the package (``--user-dir lion_fairseq``) registers
-its models, tasks and criterions with fairseq; ``lion_fairseq.ops`` is the pure-PyTorch operator."""
-try:
-    import fairseq  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "lion_fairseq needs fairseq. On Python 3.11 install the rebuild without its torchaudio pin:\n"
-        "  pip install torch==<your torch> && pip install --no-deps ve-fairseq==0.12.3 && "
-        "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)"
-    ) from e
-if tuple(int(x) for x in fairseq.__version__.split(".")[:2] if x.isdigit()) < (0, 12):
-    raise ImportError(f"lion_fairseq needs fairseq >= 0.12 (found {fairseq.__version__}); on Python 3.11 "
-                      "install ve-fairseq==0.12.3 with --no-deps (see README, Install)")
+its models, tasks and criterions with fairseq; ``lion_fairseq.ops`` is the pure-PyTorch operator.
 
-from . import numpy_compat  # noqa: E402,F401  (fairseq 0.12 reads np.compat.long, gone in numpy 2)
-from . import models  # noqa: E402,F401  (registers the models with fairseq)
-from . import tasks  # noqa: E402,F401
-from . import criterions  # noqa: E402,F401
-from . import clear_errors  # noqa: E402  (clear messages for broken checkpoints, data, DDP backends)
-clear_errors.install()
-
-# the hub classes, as ``from lion_fairseq import LionRobertaModel``
-from .models.lion_encoder import LionRobertaModel  # noqa: E402
-from .models.lion_lm import LionLanguageModel  # noqa: E402
-from .models.lion_transformer import LionTransformerModel  # noqa: E402
+Without fairseq (or with one older than 0.12) the import warns what to install and registers nothing, so
+that the operator still serves a PyTorch model of one's own; the hub classes then raise that message."""
+import warnings
+from typing import Optional
 
 __all__ = ["LionLanguageModel", "LionRobertaModel", "LionTransformerModel"]
+
+INSTALL = ("On Python 3.11 install the rebuild without its torchaudio pin:\n"
+           "  pip install torch==<your torch> && pip install --no-deps ve-fairseq==0.12.3 && "
+           "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)")
+
+
+def _fairseq_problem() -> Optional[str]:
+    """Why fairseq cannot take this plugin here, with what to install; None where it can."""
+    try:
+        import fairseq
+    except ImportError as e:
+        return f"lion_fairseq's models need fairseq ({e}); its operator, lion_fairseq.ops, does not. {INSTALL}"
+    version = tuple(int(x) for x in fairseq.__version__.split(".")[:2] if x.isdigit())
+    if version < (0, 12):
+        return (f"lion_fairseq needs fairseq >= 0.12 (found {fairseq.__version__}); on Python 3.11 install "
+                "ve-fairseq==0.12.3 with --no-deps (see README, Install)")
+    return None
+
+
+FAIRSEQ_PROBLEM = _fairseq_problem()
+
+if FAIRSEQ_PROBLEM is None:
+    from . import numpy_compat  # noqa: F401  (fairseq 0.12 reads np.compat.long, gone in numpy 2)
+    from . import models  # noqa: F401  (registers the models with fairseq)
+    from . import tasks  # noqa: F401
+    from . import criterions  # noqa: F401
+    from . import clear_errors  # (clear messages for broken checkpoints, data, DDP backends)
+    clear_errors.install()
+
+    # the hub classes, as ``from lion_fairseq import LionRobertaModel``
+    from .models.lion_encoder import LionRobertaModel
+    from .models.lion_lm import LionLanguageModel
+    from .models.lion_transformer import LionTransformerModel
+else:
+    warnings.warn(FAIRSEQ_PROBLEM, stacklevel=2)
+
+    def __getattr__(name: str):
+        if name in __all__:
+            raise ImportError(FAIRSEQ_PROBLEM)
+        raise AttributeError(f"module 'lion_fairseq' has no attribute {name!r}")

@@ -1,5 +1,8 @@
 """The three forms of the LION operator against a literal float64 reference (SPEC section 1)."""
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -467,3 +470,30 @@ def test_chunk_decay_matrix_equals_exact_decays(bidirectional):
     if bidirectional:
         exact = exact + torch.where(i < j, (cb[:, None, :] - cb[:, :, None]).clamp(max=0).exp(), 0.0)
     assert torch.allclose(W, exact, rtol=1e-12, atol=1e-300)
+
+
+def test_operator_runs_without_fairseq():
+    """A PyTorch model of one's own takes the operator without fairseq (SPEC 1: pure PyTorch): with fairseq
+    absent, importing ``lion_fairseq.ops`` loads none of it and works; the package warns what to install
+    for the models, and asking for a hub class raises that."""
+    code = """if True:
+        import sys, warnings
+        sys.modules["fairseq"] = None  # as if not installed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from lion_fairseq.ops import lion_attention
+        assert any("ve-fairseq==0.12.3" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert not any(m.split(".")[0] == "fairseq" and sys.modules[m] is not None for m in sys.modules)
+        import torch
+        q, k, v = (torch.rand(1, 2, 9, 4) for _ in range(3))
+        torch.testing.assert_close(lion_attention(q, k, v, form="chunk", chunk_size=4), lion_attention(q, k, v))
+        try:
+            from lion_fairseq import LionRobertaModel
+        except ImportError as e:
+            assert "lion_fairseq.ops, does not" in str(e) and "ve-fairseq" in str(e)
+        else:
+            raise AssertionError("the hub class imported without fairseq")
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
