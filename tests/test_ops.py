@@ -356,6 +356,14 @@ def test_token_by_token_step_equals_causal_form(gates, normalize):
         y_t, state = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], f_t, state, normalize=normalize)
         ys.append(y_t)
     assert rel_err(torch.stack(ys, 2), full) < 1e-5
+    # one-token slices in the operator's layout (B, H, 1, D) step the same
+    state4, ys4 = None, []
+    for t in range(L):
+        f_t = None if f is None else f.expand(B, H, L)[..., t:t + 1]
+        y_t, state4 = lion_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], f_t, state4,
+                                normalize=normalize)
+        ys4.append(y_t)
+    assert torch.equal(torch.cat(ys4, 2), torch.stack(ys, 2)) and torch.equal(state4[0], state[0])
     # the state after the loop is what causal_state gives in one pass, also behind padding
     S, z = causal_state(k, v, f)
     assert rel_err(S, state[0]) < 1e-5 and rel_err(z, state[1]) < 1e-5

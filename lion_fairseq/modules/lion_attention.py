@@ -69,6 +69,13 @@ def linear_input(x: Tensor, layer: nn.Linear) -> Tensor:
     return x if autocast else x.to(layer.weight.dtype)
 
 
+def decayed(S: Tensor, z: Tensor, log_gate: Tensor) -> Tuple[Tensor, Tensor]:
+    """A decoding state ``S`` ``(B, H, Dk, Dv)``, ``z`` ``(B, H, Dk)`` times the gates ``exp(log_gate)``
+    ``(B, H)``."""
+    f = log_gate.to(S.dtype).exp()
+    return f[..., None, None] * S, f[..., None] * z
+
+
 @with_incremental_state
 class LionAttention(nn.Module):
     """LION multi-head attention. ``forward(x)`` maps ``x`` ``(T, B, C)`` to ``(T, B, C)``.
@@ -235,9 +242,9 @@ class LionAttention(nn.Module):
                 incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None) -> Tensor:
         """x: ``(T, B, C)``; key_padding_mask: ``(B, T)`` bool, True at padding. Returns ``(T, B, C)``.
 
-        With ``incremental_state`` (causal decoding) the module keeps only ``S`` ``(B, H, D, D)``,
-        ``z`` ``(B, H, D)`` and the last token's log-gate: a first call with T tokens prefills them in
-        one pass, later calls advance the recurrence token by token.
+        With ``incremental_state`` (causal decoding) the module keeps only ``S`` ``(B, H, D, D)`` and
+        ``z`` ``(B, H, D)``: a first call with T tokens prefills them in one pass, later calls advance the
+        recurrence token by token.
         """
         T, B, C = x.shape
         if C != self.embed_dim:
@@ -282,38 +289,34 @@ class LionAttention(nn.Module):
         B, H, T, _ = q.shape
         saved = self.get_incremental_state(incremental_state, "lion_state") or {}
         lam = log_lam.expand(B, H, T) if log_lam is not None else None
+        # the state is kept as the next token reads it, with the last token's own gate applied
+        # (log_a_fwd[t] = log lambda_{t-1}): (S, z) is all there is, and a step adds its key to it
         if "S" not in saved:  # prefill: the causal form over the prompt, then its final state in one pass
             fwd, _ = self._directional_gates(log_lam)
             y = lion_attention(q, k, v, fwd, None, form=self.form, causal=True, normalize=self.normalize,
                                key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, eps=self.eps)
-            # the state after token T-1 has the decay of lambda_{T-1} still to come: it is stored as the
-            # gate to apply before the next token (log_a_fwd[T] = log lambda_{T-1})
             S, z = causal_state(k, v, fwd, key_padding_mask)
-            prev = None
             if lam is not None:  # the gate of each row's last real token (a right-padded prompt ends in pads)
                 last = torch.full((B,), T - 1, dtype=torch.long, device=q.device)
                 if key_padding_mask is not None:
                     last = last - (~key_padding_mask).flip(-1).int().argmax(-1)
-                prev = lam.gather(-1, last[:, None, None].expand(B, H, 1)).squeeze(-1)
+                S, z = decayed(S, z, lam.gather(-1, last[:, None, None].expand(B, H, 1)).squeeze(-1))
         else:
-            S, z, prev = saved["S"], saved["z"], saved.get("prev_log_gate")
+            S, z = saved["S"], saved["z"]
             ys = []
             for t in range(T):
-                y_t, (S_t, z_t) = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], prev, (S, z),
+                y_t, (S_t, z_t) = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], None, (S, z),
                                             normalize=self.normalize, eps=self.eps)
                 ys.append(y_t)
-                prev_t = lam[..., t] if lam is not None else None
+                if lam is not None:
+                    S_t, z_t = decayed(S_t, z_t, lam[..., t])
                 if key_padding_mask is not None:  # a padded token leaves the state as it was
                     pad = key_padding_mask[:, t]
                     S_t = torch.where(pad[:, None, None, None], S, S_t)
                     z_t = torch.where(pad[:, None, None], z, z_t)
-                    if prev_t is not None:
-                        prev_t = torch.where(pad[:, None], prev, prev_t)
-                S, z, prev = S_t, z_t, prev_t
+                S, z = S_t, z_t
             y = torch.stack(ys, dim=2)
         new = {"S": S, "z": z}
-        if prev is not None:
-            new["prev_log_gate"] = prev
         self.set_incremental_state(incremental_state, "lion_state", new)
         return y
 

@@ -50,11 +50,19 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
               state: Optional[State] = None, *, normalize: bool = True, eps: float = 1e-6) -> Tuple[Tensor, State]:
     """One token of the causal recurrence, for decoding.
 
-    q_t, k_t: ``(B, H, Dk)``; v_t: ``(B, H, Dv)``; log_a_t: ``(B, H)`` (or broadcastable), ``None`` for
-    gate 1; state: ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32 (float64 for
-    float64 inputs), ``None`` at the start. Returns ``y_t`` ``(B, H, Dv)`` in ``v_t.dtype`` and the new state.
-    ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``, ``y_t = q_t S_t / (q_t . z_t + eps)``.
+    q_t, k_t: ``(B, H, Dk)``; v_t: ``(B, H, Dv)`` (or one-token slices ``(B, H, 1, D)`` of
+    ``lion_attention``'s inputs, giving ``y_t`` ``(B, H, 1, Dv)``); log_a_t: ``(B, H)`` (or broadcastable,
+    ``(B, H, 1)`` too), ``None`` for gate 1; state: ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)``
+    in float32 (float64 for float64 inputs), ``None`` at the start. Returns ``y_t`` ``(B, H, Dv)`` in
+    ``v_t.dtype`` and the new state. ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``,
+    ``y_t = q_t S_t / (q_t . z_t + eps)``.
     """
+    if q_t.dim() == 4 and q_t.shape[2] == 1 and k_t.dim() == v_t.dim() == 4 and k_t.shape[2] == v_t.shape[2] == 1:
+        if log_a_t is not None and log_a_t.dim() >= 3 and log_a_t.shape[-1] == 1:
+            log_a_t = log_a_t.squeeze(-1)
+        y, state = lion_step(q_t.squeeze(2), k_t.squeeze(2), v_t.squeeze(2), log_a_t, state, normalize=normalize,
+                             eps=eps)
+        return y.unsqueeze(2), state
     if q_t.dim() != 3 or q_t.shape != k_t.shape:
         raise ValueError(f"q_t and k_t must both be (B, H, Dk); got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}")
     if v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
