@@ -75,6 +75,20 @@ def test_beam_search_scores_equal_the_teacher_forced_pass(mt_data, variant, cros
                                            atol=1e-4, rtol=1e-4)
 
 
+def test_builds_from_the_parsers_namespace_as_from_its_config(mt_data):
+    """fairseq's legacy path builds a model from the parser's Namespace, which lacks every option not
+    typed (their defaults are deleted there): the same model as from the config fairseq-train makes."""
+    from fairseq import options, tasks
+
+    args = [str(mt_data), "--user-dir", USER_DIR, "--task", "translation", "--arch", "lion_d_transformer_tiny"]
+    ns = options.parse_args_and_arch(options.get_training_parser(), args)
+    legacy = tasks.setup_task(ns).build_model(ns)
+    _, model = build(mt_data, "d", "softmax", "--lion-chunk-size", "64")
+    assert {k: v.shape for k, v in legacy.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+    attn = legacy.encoder.layers[0].self_attn
+    assert (attn.variant, attn.form, attn.chunk_size, attn.normalize) == ("d", "chunk", 64, True)
+
+
 @pytest.mark.parametrize("cross", ["softmax", "linear"])
 def test_decoder_state_is_the_same_after_5_and_500_target_tokens(mt_data, cross):
     task, model = build(mt_data, "s", cross, "--max-target-positions", "1024")

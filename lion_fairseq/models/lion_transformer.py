@@ -189,6 +189,10 @@ def lion_transformer_base(args: Any) -> None:
     """Sizes and variant the command line (or the arch) left unset: transformer base and LION-S (``--arch
     lion_transformer`` is fairseq's own arch of the dataclass, whose other defaults are its fields')."""
     set_unset(args, dict(BASE, lion_variant="s", lion_normalize=True))
+    # the rest at the dataclass's defaults: a Namespace from fairseq's parser (the legacy path) lacks every
+    # option not typed (the task gives the positions, which the dataclass only refers to)
+    set_unset(args, {f.name: f.default for f in fields(LionTransformerConfig)
+                     if not f.name.startswith("_") and f.name not in ("max_source_positions", "max_target_positions")})
 
 
 for _variant in ("lit", "d", "s"):
