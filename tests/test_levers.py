@@ -172,7 +172,8 @@ def test_encoder_layer_streams_blockwise_with_the_levers():
 @pytest.mark.parametrize("kwargs,option", [
     (dict(short_conv=1), "--lion-short-conv"), (dict(short_conv=-2), "--lion-short-conv"),
     (dict(short_conv=4), "--lion-short-conv 4"), (dict(gate_temperature=0.0), "--lion-gate-temperature"),
-    (dict(gate_temperature=2.0, variant="lit"), "--lion-gate-temperature")])
+    (dict(gate_temperature=2.0, variant="lit"), "--lion-gate-temperature"),
+    (dict(eps=0.0), r"eps must be > 0 with the row normaliser")])
 def test_bad_values_name_the_option(kwargs, option):
     kwargs = dict(kwargs)
     variant = kwargs.pop("variant", "s")

@@ -436,6 +436,13 @@ def test_bad_arguments_name_the_argument():
         lion_attention(q, k, v, f, b[:1, :2])
     with pytest.raises(ValueError, match="key_padding_mask"):
         lion_attention(q, k, v, key_padding_mask=torch.zeros(B, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask"):  # an additive float mask is not a padding mask
+        lion_attention(q, k, v, key_padding_mask=torch.zeros(B, 5))
+    # a byte mask (older fairseq's) is taken as the bool mask it stands for
+    mask = torch.tensor([[1, 0, 0, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    for form in FORMS:
+        assert torch.equal(lion_attention(q, k, v, f, b, form=form, key_padding_mask=mask.to(torch.uint8)),
+                           lion_attention(q, k, v, f, b, form=form, key_padding_mask=mask))
     with pytest.raises(ValueError, match="state"):
         lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1)))
 

@@ -94,6 +94,8 @@ class LionAttention(nn.Module):
         check_lion_options(variant, form, chunk_size, feature_map, normalize, gate_temperature, short_conv, causal)
         if embed_dim % num_heads:
             raise ValueError(f"embedding dim {embed_dim} must be divisible by the number of attention heads {num_heads}")
+        if normalize and not eps > 0:  # a row whose keys are all padding sums to 0
+            raise ValueError(f"eps must be > 0 with the row normaliser (normalize=True); got {eps!r}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.variant, self.form, self.chunk_size = variant, form, chunk_size
         self.feature_map_name, self.phi = feature_map, FEATURE_MAPS[feature_map]

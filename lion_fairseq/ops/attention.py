@@ -81,7 +81,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             ``LION_BACKEND``, else fla on CUDA when it is installed (``LION_FLA=0`` turns that off) and
             PyTorch otherwise. A backend that cannot run says why once and falls back (``ops/backend.py``).
         normalize: divide each row by ``sum_j A_ij + eps``.
-        key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing.
+        key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing (an integer mask,
+            nonzero there, is taken too).
         chunk_size: tokens per chunk of the chunk form.
         matmul_dtype: ``torch.bfloat16`` runs the PyTorch chunk form's matmuls in bfloat16 (AMX on a
             CPU that has it) with the outputs, states, decays and normalisers kept in float32, when no
@@ -106,9 +107,13 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be (B, H, L, Dv) with q's (B, H, L) = {tuple(q.shape[:3])}; got {tuple(v.shape)}")
     B, H, L, _ = q.shape
-    if key_padding_mask is not None and (key_padding_mask.shape != (B, L) or key_padding_mask.dtype != torch.bool):
-        raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
-                         f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    if key_padding_mask is not None:
+        integral = not (key_padding_mask.is_floating_point() or key_padding_mask.is_complex())
+        if key_padding_mask.shape != (B, L) or not integral:  # a float mask may be additive (-inf): refused
+            raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
+                             f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.dtype != torch.bool:  # a byte mask (older fairseq's): nonzero is padding
+            key_padding_mask = key_padding_mask != 0
 
     if matmul_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")
