@@ -106,6 +106,37 @@ def changed_model_message(model_cfg: Any, fixed: Dict[str, Any]) -> Optional[str
             "with the option")
 
 
+# the model config of each checkpoint read, by path, until the trainer that asked for it looks at it
+_TRAINED_AS: Dict[str, Any] = {}
+
+
+def option_text(key: str, value: Any) -> str:
+    """A ``FIXED_BY_TRAINING`` option's value as the command line gives it."""
+    flag = "--" + key.replace("_", "-")
+    if value is None:  # a translation model's unset positions: fairseq's own
+        return f"no {flag}"
+    if isinstance(value, bool):
+        if key in ("lion_normalize", "lion_output_gate"):
+            return flag if value else f"--no-{flag[2:]}"
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
+
+
+def changed_since_training(trained: Any, building: Any) -> List[str]:
+    """The ``FIXED_BY_TRAINING`` options that the model config ``building`` gives otherwise than the
+    checkpoint's ``trained`` (both LION configs), as 'trained -> now'."""
+    from .models.lion_options import built_value
+
+    if getattr(trained, "lion_variant", None) is None or getattr(building, "lion_variant", None) is None:
+        return []
+    changes = []
+    for key in FIXED_BY_TRAINING:
+        was, now = built_value(trained, key), built_value(building, key)
+        if was != now and str(was) != str(now):
+            changes.append(f"{option_text(key, was)} -> {option_text(key, now)}")
+    return changes
+
+
 def _wrap_load_checkpoint_to_cpu(original):
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
@@ -131,6 +162,7 @@ def _wrap_load_checkpoint_to_cpu(original):
         changed = changed_model_message(model, fixed) if fixed and model is not None else None
         if changed:
             raise ValueError(f"{path}: {changed}")
+        _TRAINED_AS[str(path)] = model  # for the trainer's check that a resumed run is the same model
         return state
     load_checkpoint_to_cpu.__lion_wrapped__ = True
     return load_checkpoint_to_cpu
@@ -380,15 +412,17 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
-    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it, and an
-    optimizer state of other parameters is refused naming ``--reset-optimizer``."""
+    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it, an
+    optimizer state of other parameters is refused naming ``--reset-optimizer``, and a run resumed (without
+    ``--reset-optimizer``) as another model than its checkpoint was trained as (``FIXED_BY_TRAINING``) is
+    refused naming the change; a new run from it logs the change."""
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
         missing = missing_restore_file_message(filename, self.cfg.checkpoint)
         if missing:
             raise FileNotFoundError(missing)
         try:
-            return original(self, filename, *args, **kwargs)
+            extra_state = original(self, filename, *args, **kwargs)
         except Exception as e:
             cause = e.__cause__ or e.__context__
             if "architectures match" in str(e) and cause is not None and (
@@ -402,6 +436,19 @@ def _wrap_trainer_load_checkpoint(original):
                     "weights pass --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader, or "
                     "use --finetune-from-model") from e
             raise
+        changes = changed_since_training(_TRAINED_AS.pop(str(filename), None), self.cfg.model)
+        if changes:
+            reset_optimizer = args[0] if args else kwargs.get("reset_optimizer", False)
+            if not reset_optimizer:  # the run goes on: nothing has trained yet, and the checkpoint is intact
+                raise CheckpointError(
+                    f"cannot resume {filename}: it was trained as another model than this command builds "
+                    f"({'; '.join(changes)}). No tensor changes shape, so the run would go on training another "
+                    "model on its weights without a word. Pass the options the run was started with; to start the "
+                    "changed model from these weights, pass --reset-optimizer --reset-lr-scheduler --reset-meters "
+                    "--reset-dataloader (or --finetune-from-model) and a new --save-dir")
+            logger.warning(f"lion: starting from {filename}, trained as another model than this one: "
+                           f"{'; '.join(changes)}")
+        return extra_state
     load_checkpoint.__lion_wrapped__ = True
     return load_checkpoint
 

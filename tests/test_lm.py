@@ -312,6 +312,30 @@ def test_checkpoint_activations_trains_the_same_parameters(trained, text_data_bi
         assert torch.equal(recomputed[name], straight[name]), name
 
 
+def test_resume_as_another_model_is_refused(lit_trained, text_data_bin, tmp_path):
+    """Resuming a run with an option that the weights were trained as changed (the recipe rerun without the
+    variable that set it, say) loads without a tensor changing shape: it stops, naming the change, and the
+    checkpoint is left as it was. With the --reset-* options (a new run from these weights) it trains, with
+    the change logged."""
+    import shutil
+
+    shutil.copy(lit_trained, tmp_path / "checkpoint_last.pt")
+    before = (tmp_path / "checkpoint_last.pt").read_bytes()
+    changed = [str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--max-update", "4", "--arch",
+               "lion_lit_lm_tiny", "--lion-feature-map", "silu_norm", "--no-lion-normalize"]
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *changed, "--save-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "cannot resume" in last, proc.stderr[-3000:]
+    assert "--lion-feature-map elu -> --lion-feature-map silu_norm; --lion-normalize -> --no-lion-normalize" in last
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == before
+    resets = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader"]
+    proc = fairseq_cli("train", *changed, *resets, "--save-dir", str(tmp_path / "new"), "--restore-file",
+                       str(lit_trained))
+    assert "trained as another model than this one: --lion-feature-map elu -> --lion-feature-map silu_norm" \
+        in proc.stdout + proc.stderr
+
+
 def test_resume_with_the_levers_is_exact(text_data_bin, tmp_path):
     """lion_s_lm_plus_tiny (short convolution, output gate, gate temperature): a run stopped mid-epoch and
     restarted ends with the same parameters, the levers' own included, as one that ran straight through."""
