@@ -1,17 +1,20 @@
 """Clear messages for faults users meet with fairseq: a truncated or corrupt checkpoint, a checkpoint of
 another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
 c10d`` on CPU, a misspelled ``--model-overrides`` key, ``fairseq-eval-lm`` on samples longer than the
-model's positions. Each says what is wrong and what to pass; none changes what a working run does.
+model's positions or on a model of another kind, a run resumed as another model. Each says what is wrong
+and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps five
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps six
 fairseq functions so that their failures carry such a message (the original error stays chained):
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
 ``models.DistributedFairseqModel``, ``Trainer.load_checkpoint`` (whose own 'please ensure that the
 architectures match' would otherwise be the last line a user reads, and which starts from random weights
-where a ``--restore-file`` given with ``--reset-*`` options does not exist) and
-``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line). Without ``--user-dir`` nothing of this package runs, so fairseq's own
-``KeyError: "'_name'"`` cannot be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains
-any checkpoint (missing, truncated, which model and arch, what to pass).
+where a ``--restore-file`` given with ``--reset-*`` options does not exist, or resumes a run as another
+model), ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line) and
+``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm). Without
+``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
+intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
+truncated, which model and arch, what to pass).
 
 Checkpoints are read with torch's ``weights_only=True`` default; ``argparse.Namespace`` (the legacy
 ``args`` of older fairseq checkpoints) is allowed for the duration of the call only, never globally.
@@ -213,6 +216,43 @@ def _wrap_eval_lm_dataloader(original):
     return eval_lm_dataloader
 
 
+# what scores a model of each kind that language_modeling does not take
+OTHER_TOOLS = {
+    "lion_transformer": "a translation model: fairseq-validate DATA --task translation gives its loss, "
+                        "fairseq-generate its translations",
+    "lion_roberta": "a masked LM: fairseq-validate DATA --task masked_lm --criterion masked_lm gives its loss",
+    "lion_lra": "a Long Range Arena classifier: fairseq-validate DATA --task lra_<its task> gives its accuracy",
+}
+
+
+def not_a_language_model_message(model_cfg: Any) -> Optional[str]:
+    """Where ``model_cfg`` (a checkpoint's, or the command line's) builds no causal language model, which
+    ``--task language_modeling`` takes (fairseq-eval-lm), what the model is and what scores it; else None.
+    fairseq fails on such a model with an AttributeError, or 'Unsupported language modeling target'."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY, FairseqLanguageModel
+
+    name = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+    cls = ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
+    if cls is None or issubclass(cls, FairseqLanguageModel):
+        return None
+    kind = ARCH_MODEL_NAME_REGISTRY.get(name, name)
+    return (f"--task language_modeling (fairseq-eval-lm) scores causal language models, and this checkpoint holds "
+            f"a {kind} model (--arch {name}): "
+            + OTHER_TOOLS.get(kind, "score it with fairseq-validate and the task it was trained with")
+            + "; a causal LION LM is an arch of lion_{lit,d,s}_lm[_tiny]")
+
+
+def _wrap_language_model_build(original):
+    @functools.wraps(original)
+    def build_model(self, cfg, *args, **kwargs):
+        message = not_a_language_model_message(cfg)
+        if message:
+            raise ValueError(message)
+        return original(self, cfg, *args, **kwargs)
+    build_model.__lion_wrapped__ = True
+    return build_model
+
+
 def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int) -> Optional[str]:
     """What fairseq-eval-lm would silently leave out: samples of ``sizes`` (tokens, a numpy array) longer
     than the model's ``limit`` positions (an int; None or a tuple: no check). None if nothing."""
@@ -286,6 +326,8 @@ def install() -> None:
 
     if not getattr(LanguageModelingTask.eval_lm_dataloader, "__lion_wrapped__", False):
         LanguageModelingTask.eval_lm_dataloader = _wrap_eval_lm_dataloader(LanguageModelingTask.eval_lm_dataloader)
+    if not getattr(LanguageModelingTask.build_model, "__lion_wrapped__", False):
+        LanguageModelingTask.build_model = _wrap_language_model_build(LanguageModelingTask.build_model)
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------
@@ -339,8 +381,10 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
         return (f"learned positions: the checkpoint has {a['positions']} and the model {b['positions']}; pass "
                 f"{option} {a['positions']} (the length it was trained with)")
     if a["variant"] != b["variant"]:
-        return (f"the LION variant: the checkpoint is LION-{a['variant'].upper()} and the model "
-                f"LION-{b['variant'].upper()}; pass --arch of lion_{a['variant']}")
+        v = a["variant"]
+        return (f"the LION variant: the checkpoint is LION-{v.upper()} and the model LION-{b['variant'].upper()}; "
+                f"pass an --arch of LION-{v.upper()} (lion_{v}, lion_{v}_lm, lion_{v}_transformer, with the size the "
+                "checkpoint was trained at)")
     for fact, option in (("layers", f"--{stack}-layers"), ("width", f"--{stack}-embed-dim"),
                          ("ffn", f"--{stack}-ffn-embed-dim")):
         if a[fact] != b[fact]:
@@ -349,13 +393,25 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
                          ("norm after", "--lion-norm-after")):
         if a[fact] != b[fact]:
             return f"{fact}: the checkpoint has {a[fact]} and the model {b[fact]}; set {option} as the checkpoint has it"
+    for key in sorted(k for k in model if k.endswith("embed_tokens.weight") and k in checkpoint):
+        rows, built = checkpoint[key].shape[0], model[key].shape[0]
+        if rows != built:
+            return (f"{DICTIONARY_DIFFERS} ({key}: the checkpoint has {rows} rows, one per entry of the dictionary "
+                    f"it was trained with, and the model {built}, from the data folder's): pass the data folder "
+                    "(data-bin) the checkpoint was trained on, whose dict*.txt it was built with")
     return None
+
+
+DICTIONARY_DIFFERS = "the dictionary"
 
 
 def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], error: BaseException) -> str:
     """One line, ending with the first real difference and what to pass (the line a user reads last)."""
     difference = first_difference(state_dict, model.state_dict())
     torch_said = " ".join(str(error).split())[:600]
+    if difference and difference.startswith(DICTIONARY_DIFFERS):  # the model is right, the data folder is not
+        return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said[:300]}): they "
+                f"differ in {difference}.")
     return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said}). The checkpoint "
             f"holds {describe_weights(state_dict)}; the model is {describe_weights(model.state_dict())}. To "
             "continue or fine-tune it, build the model it was trained as; to start a different architecture "

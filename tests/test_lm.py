@@ -418,6 +418,22 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
         hub.generate(hub.encode(" ".join(words[:40])), beam=1, max_len_b=5)
 
 
+def test_another_data_folder_is_named_as_the_misfit(trained, text_data_bin, tmp_path):
+    """Scoring a checkpoint with a data folder of another dictionary: the model's sizes are right and the
+    embeddings' rows are not; the message says so and asks for the data folder (it advised the arch and
+    size options, and dropping --restore-file)."""
+    from conftest import fairseq_cli as cli
+
+    ckpt, _ = trained
+    text = Path(text_data_bin).parent
+    cli("preprocess", "--only-source", "--trainpref", str(text / "train.txt"), "--testpref", str(text / "test.txt"),
+        "--destdir", str(tmp_path), "--nwordssrc", "500", "--workers", "1")
+    with pytest.raises(RuntimeError, match=r"differ in the dictionary \(decoder.embed_tokens.weight: the checkpoint "
+                                           r"has 2000 rows.*and the model 50\d.*pass the data folder") as e:
+        eval_lm_in_process(tmp_path, ckpt)
+    assert "--restore-file" not in str(e.value)
+
+
 def test_misspelled_model_override_is_refused(trained, text_data_bin):
     """A misspelled --model-overrides key (or hub keyword) would be ignored by fairseq, which would run the
     checkpoint as trained; it stops naming the key and the option it is near."""

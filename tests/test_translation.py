@@ -217,3 +217,16 @@ def test_override_of_what_the_weights_were_trained_as_is_refused(mt_data, traine
         hub(lion_positions="none")  # fairseq's sinusoidal positions: 'none' would drop them
     assert hub(lion_form="recurrent", lion_cross_attention="softmax", lion_feature_map="silu_norm",
                lion_gate_temperature=1, lion_output_gate=False)
+
+
+def test_eval_lm_on_a_translation_checkpoint_names_what_scores_it(mt_data, trained, tmp_path):
+    """fairseq-eval-lm on a translation checkpoint failed with an AttributeError of fairseq's
+    (supported_targets); it names the kind and the tools that score it."""
+    import shutil
+
+    shutil.copy(mt_data / "dict.tgt.txt", tmp_path / "dict.txt")
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.eval_lm", str(tmp_path), "--user-dir", USER_DIR,
+                           "--path", str(trained), "--cpu"], capture_output=True, text=True, timeout=600)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "holds a lion_transformer model (--arch lion_s_transformer_tiny)" in last, last
+    assert "fairseq-generate" in last
