@@ -1,16 +1,16 @@
 """Clear messages for faults users meet with fairseq: a truncated or corrupt checkpoint, a checkpoint of
 another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
 c10d`` on CPU, a misspelled ``--model-overrides`` key, ``fairseq-eval-lm`` on samples longer than the
-model's positions or on a model of another kind, a run resumed as another model. Each says what is wrong
-and what to pass; none changes what a working run does.
+model's positions or on a model of another kind, a run resumed as another model, ``fairseq-train --bf16``.
+Each says what is wrong and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps six
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps seven
 fairseq functions so that their failures carry such a message (the original error stays chained):
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
-``models.DistributedFairseqModel``, ``Trainer.load_checkpoint`` (whose own 'please ensure that the
-architectures match' would otherwise be the last line a user reads, and which starts from random weights
-where a ``--restore-file`` given with ``--reset-*`` options does not exist, or resumes a run as another
-model), ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line) and
+``models.DistributedFairseqModel``, ``Trainer.__init__`` (``--bf16`` without a TPU),
+``Trainer.load_checkpoint`` (whose own 'please ensure that the architectures match' would otherwise be the
+last line a user reads, and which starts from random weights where a ``--restore-file`` given with
+``--reset-*`` options does not exist, or resumes a run as another model), ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line) and
 ``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm). Without
 ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
 intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
@@ -216,6 +216,30 @@ def _wrap_eval_lm_dataloader(original):
     return eval_lm_dataloader
 
 
+def tpu_message(common: Any) -> Optional[str]:
+    """Where fairseq would take its TPU path without torch_xla (``fairseq-train --bf16`` sets ``--tpu``, and
+    then fails in the trainer with "'NoneType' object has no attribute 'xla_device'"), what to do; else None."""
+    import importlib.util
+
+    if not getattr(common, "tpu", False) or importlib.util.find_spec("torch_xla") is not None:
+        return None
+    asked = "--bf16 (which fairseq-train turns into --tpu)" if getattr(common, "bf16", False) else "--tpu"
+    return (f"{asked} runs fairseq's TPU code, and torch_xla is not installed. For bfloat16 on GPUs (or CPUs) "
+            "use fairseq-hydra-train with common.bf16=true (configs in user_dir_examples/hydra), or train with "
+            "fairseq-train --amp / --fp16")
+
+
+def _wrap_trainer_init(original):
+    @functools.wraps(original)
+    def __init__(self, cfg, *args, **kwargs):
+        message = tpu_message(getattr(cfg, "common", cfg))  # cfg: a config, or a legacy Namespace
+        if message:
+            raise ValueError(message)
+        original(self, cfg, *args, **kwargs)
+    __init__.__lion_wrapped__ = True
+    return __init__
+
+
 # what scores a model of each kind that language_modeling does not take
 OTHER_TOOLS = {
     "lion_transformer": "a translation model: fairseq-validate DATA --task translation gives its loss, "
@@ -322,6 +346,8 @@ def install() -> None:
 
     if not getattr(Trainer.load_checkpoint, "__lion_wrapped__", False):
         Trainer.load_checkpoint = _wrap_trainer_load_checkpoint(Trainer.load_checkpoint)
+    if not getattr(Trainer.__init__, "__lion_wrapped__", False):
+        Trainer.__init__ = _wrap_trainer_init(Trainer.__init__)
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     if not getattr(LanguageModelingTask.eval_lm_dataloader, "__lion_wrapped__", False):

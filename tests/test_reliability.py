@@ -221,6 +221,19 @@ def test_ddp_backends_that_cannot_run_on_cpu_are_refused_with_what_to_pass(text_
                 pass
 
 
+def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path):
+    """fairseq-train --bf16 turns on fairseq's TPU code and failed in the trainer with "'NoneType' object has
+    no attribute 'xla_device'"; without torch_xla it stops naming fairseq-hydra-train common.bf16=true."""
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
+                           "--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--optimizer", "adam", "--lr",
+                           "0.001", "--criterion", "cross_entropy", "--batch-size", "4", "--max-update", "1",
+                           "--save-dir", str(tmp_path), "--cpu", "--bf16"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "--bf16 (which fairseq-train turns into --tpu)" in last, proc.stderr[-2000:]
+    assert "fairseq-hydra-train with common.bf16=true" in last
+
+
 # ---- precision ------------------------------------------------------------------------------------------
 
 LONG = 4096
