@@ -6,6 +6,7 @@ import math
 import os
 import random
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -312,6 +313,34 @@ def test_pretrain_defaults_base_and_large(stub_bin, spm_data, tmp_path):
     assert "fairseq-train --bf16" in out and "common.bf16=true" in out
     out = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", tmp_path, tmp_path], ok=False)
     assert "has no dict.txt" in out
+
+
+def test_lm_and_translation_warm_up_for_the_same_share_of_a_shorter_run(stub_bin, tmp_path):
+    """Upstream's 4000 warm-up updates of 50k (LM) and 60k (translation); a run of MAX_UPDATE=20 warmed up
+    for 4000 too and ended at a 200th of the learning rate. It warms up for the same share, at least 1."""
+    (tmp_path / "dict.txt").write_text("a 1\n")
+    (tmp_path / "dict.de.txt").write_text("a 1\n")
+    for recipe, full in (("lm/train.sh", 50000), ("translation/train.sh", 60000)):
+        argv = ["bash", RECIPES / recipe, tmp_path, tmp_path / "ckpt"]
+        assert option(run_stub(stub_bin, argv, PRECISION="fp32"), "--warmup-updates") == "4000"
+        for updates, warmup in ((full // 10, "400"), (20, "1"), (10 * full, "4000")):
+            args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE=str(updates))
+            assert option(args, "--warmup-updates") == warmup, (recipe, updates)
+        args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE="20", WARMUP_UPDATES="7")
+        assert option(args, "--warmup-updates") == "7"
+
+
+def test_lra_recipe_takes_the_recipes_precision_and_refuses_another_kind_of_arch(stub_bin, tmp_path):
+    """lra/train.sh sources common.sh like the other recipes: PRECISION=amp gives --amp (it was refused);
+    an arch of another kind is named before fairseq fails on an interpolation of its config."""
+    shutil.copy(stub_bin / "fairseq-train", stub_bin / "fairseq-validate")
+    (tmp_path / "lra.json").write_text("{}")
+    argv = ["bash", RECIPES / "lra/train.sh", "listops", tmp_path, tmp_path / "ckpt"]
+    args = run_stub(stub_bin, argv, PRECISION="amp")
+    assert "--amp" in args and option(args, "--arch") == "lion_s_lra_listops"
+    assert option(args, "--warmup-updates") == "1000" and option(args, "--max-update") == "5000"
+    out = run_stub(stub_bin, argv, ok=False, ARCH="lion_s_transformer_tiny", PRECISION="fp32")
+    assert "ARCH must be an LRA classifier (lion_{lit,d,s}_lra_{listops,small,tiny})" in out
 
 
 def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, tmp_path):

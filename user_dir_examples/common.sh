@@ -37,4 +37,13 @@ precision_flags() {
 # 6% of $1, at least 1 when $1 > 0 (the paper's linear warm-up share).
 six_percent() { local w=$(( $1 * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$1" -gt 0 ]; then w=1; fi; echo "$w"; }
 
+# warm-up of MAX_UPDATE ($1) updates for a recipe whose full run warms up $2 of $3: the same share, at most $2
+# (a short run would otherwise end inside the warm-up, at a tiny learning rate)
+warmup_share() {
+  local w=$(( $1 * $2 / $3 ))
+  if [ "$w" -gt "$2" ]; then w=$2; fi
+  if [ "$w" -lt 1 ]; then w=1; fi
+  echo "$w"
+}
+
 is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }

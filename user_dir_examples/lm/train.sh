@@ -3,7 +3,8 @@
 #   bash user_dir_examples/lm/train.sh DATA_BIN SAVE_DIR [extra fairseq-train options]
 # Environment (defaults in brackets):
 #   ARCH [lion_s_lm]  lion_s_lm | lion_d_lm | lion_retnet_lm | lion_lit_lm, *_lm_tiny
-#   LR [5e-4]   WARMUP_UPDATES [4000]   MAX_UPDATE [50000]   TOKENS_PER_SAMPLE [512]
+#   LR [5e-4]   MAX_UPDATE [50000]   TOKENS_PER_SAMPLE [512]
+#   WARMUP_UPDATES [4000, or the same share of a shorter MAX_UPDATE]
 #   MAX_TOKENS [2048 per GPU]   UPDATE_FREQ [32: 65536 tokens per update on 1 GPU, upstream's 2 GPUs x 16]
 #   LION_FORM [chunk]   LION_CHUNK_SIZE [64]   PRECISION [fp16 on GPU, fp32 on CPU]   LOG_INTERVAL [100]   SEED [1]
 set -euo pipefail
@@ -14,6 +15,7 @@ DATA=$1; SAVE=$2; shift 2
 need fairseq-train
 MAX_UPDATE=${MAX_UPDATE:-50000}
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 50000)}
 PFLAGS=$(precision_flags) || exit 2
 
 # --required-batch-size-multiple 1: fairseq's default (8) silently drops a last batch of another size,
@@ -23,7 +25,7 @@ run fairseq-train "$DATA" --user-dir "$USER_DIR" \
   --lion-form "${LION_FORM:-chunk}" --lion-chunk-size "${LION_CHUNK_SIZE:-64}" \
   --share-decoder-input-output-embed --dropout 0.1 \
   --optimizer adam --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0 \
-  --lr "${LR:-5e-4}" --lr-scheduler inverse_sqrt --warmup-updates "${WARMUP_UPDATES:-4000}" --warmup-init-lr 1e-07 \
+  --lr "${LR:-5e-4}" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP_UPDATES" --warmup-init-lr 1e-07 \
   --tokens-per-sample "${TOKENS_PER_SAMPLE:-512}" --sample-break-mode none \
   --max-tokens "${MAX_TOKENS:-2048}" --update-freq "${UPDATE_FREQ:-32}" --required-batch-size-multiple 1 \
   --max-update "$MAX_UPDATE" --seed "${SEED:-1}" \

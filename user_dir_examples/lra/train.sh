@@ -7,31 +7,15 @@
 #   VARIANT [s]  lit | d | s      ARCH [lion_${VARIANT}_lra_${TASK}]  (lion_*_lra_small fits a CPU)
 #   ORDER [two_snake] for image, pathfinder, pathx: row_major | row_snake | col_snake | two_snake
 #   BATCH_SIZE, LR, WARMUP_UPDATES, MAX_UPDATE [the task's LRA budget, below]   LION_FORM [chunk]
-#   PRECISION [fp16 on GPU, fp32 on CPU]   VALIDATE_INTERVAL [500]   LOG_INTERVAL [50]   SEED [1]
+#   PRECISION [fp16 on GPU, fp32 on CPU; amp]   VALIDATE_INTERVAL [500]   LOG_INTERVAL [50]   SEED [1]
 #
 # Budgets (Tay et al. 2021, the LRA release's configs). LRA's "0.05 * linear warmup * rsqrt decay" is
 # fairseq's inverse_sqrt with --lr 0.05/sqrt(warmup) and the same warmup; Adam betas (0.9, 0.98). The
 # LRA paper's Transformer reached, with these budgets: ListOps 36.37, Text 64.27, Retrieval 57.46,
 # Image 42.44, Pathfinder 71.40, Path-X failed.
 set -euo pipefail
-die() { echo "error: $*" >&2; exit 2; }
-run() { printf '+' >&2; printf ' %q' "$@" >&2; printf '\n' >&2; "$@"; }  # print (pasteable), then run
-need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found: activate the environment (source .venv/bin/activate)"; }
-is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }
-# the plugin: this checkout's lion_fairseq/, else the pip-installed package's folder, else USER_DIR=...
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-if [ -z "${USER_DIR:-}" ]; then
-  if [ -f "$ROOT/lion_fairseq/__init__.py" ]; then USER_DIR="$ROOT/lion_fairseq"
-  elif command -v lion-fairseq-user-dir >/dev/null 2>&1; then USER_DIR="$(lion-fairseq-user-dir)"
-  else die "lion_fairseq not found: set USER_DIR=/path/to/lion_fairseq or pip install lion-fairseq"; fi
-fi
-# PRECISION=fp16|fp32 (default: fp16 when nvidia-smi sees a GPU); fairseq-train --bf16 crashes in 0.12
-case "${PRECISION:-}" in
-  "") if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then PFLAGS=--fp16; else PFLAGS=; fi ;;
-  fp16) PFLAGS=--fp16 ;;
-  fp32) PFLAGS= ;;
-  *) die "PRECISION must be fp16 or fp32, got '$PRECISION'" ;;
-esac
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+PFLAGS=$(precision_flags) || exit 2
 [ $# -ge 3 ] || die "usage: [VARIANT=s ...] bash $0 TASK DATA_BIN SAVE_DIR [fairseq-train options]"
 TASK=$1; DATA=$2; SAVE=$3; shift 3
 [ -f "$DATA/lra.json" ] || die "DATA_BIN $DATA has no lra.json: make it with python -m preprocess.lra (see README.md)"
@@ -53,6 +37,10 @@ MAX_UPDATE=${MAX_UPDATE:-$5}; WEIGHT_DECAY=$6; shift 6
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 VARIANT=${VARIANT:-s}
 ARCH=${ARCH:-lion_${VARIANT}_lra_${TASK}}
+case "$ARCH" in
+  lion_*lra*) ;;
+  *) die "ARCH must be an LRA classifier (lion_{lit,d,s}_lra_{$TASK,small,tiny}), got '$ARCH'" ;;
+esac
 ORDER_OPTS=()
 case "$TASK" in image|pathfinder|pathx) ORDER_OPTS=(--lion-order "${ORDER:-two_snake}") ;; esac
 
