@@ -413,6 +413,11 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
         tokens = hub.generate(hub.encode(" ".join(words[:61])), beam=1, max_len_b=20, min_len=2)[0]["tokens"]
     eos = hub.task.source_dictionary.eos()
     assert int(tokens.ne(eos).sum()) == 63  # the prompt and 2 new tokens (the last position is for </s>)
+    # fairseq-interactive, whose generator stops there too: the log says why the lines end early
+    proc = fairseq_cli("interactive", str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling",
+                       "--path", str(lit_trained), "--beam", "1", "--max-len-b", "100", "--num-workers", "0",
+                       stdin=" ".join(words[:40]) + "\n")
+    assert "decoding reached the model's 64 learned positions" in proc.stderr + proc.stdout
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*learned positions")
         hub.generate(hub.encode(" ".join(words[:40])), beam=1, max_len_b=5)

@@ -90,6 +90,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             nn.init.constant_(embed_tokens.weight[self.padding_idx], 0)
         self.embed_tokens = embed_tokens
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(dim)
+        self.warned_at_limit = False
         if lion_positions(cfg) == "learned":
             self.max_target_positions = int(cfg.max_target_positions or cfg.tokens_per_sample)
             # position p of a real token is padding_idx + p (p >= 1), fairseq's convention
@@ -155,7 +156,15 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         x = x.transpose(0, 1)
 
         if incremental_state is not None:
-            self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": seen + (~pad).sum(1)})
+            n_tokens = seen + (~pad).sum(1)
+            self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": n_tokens})
+            if self.embed_positions is not None and not self.warned_at_limit \
+                    and int(n_tokens.max()) >= self.max_target_positions - 1:
+                # fairseq's generator ends every sequence one token short of the model's positions, silently
+                self.warned_at_limit = True
+                logger.warning(f"decoding reached the model's {self.max_target_positions} learned positions "
+                               "(--lion-positions learned, LION-LIT's default): fairseq's generator ends each "
+                               "sequence there, whatever --max-len-b asks; LION-D and LION-S have no such limit")
         # SequenceGenerator reads "attn"; LION has no attention matrix to show
         return x, {"attn": [None], "inner_states": inner_states}
 
