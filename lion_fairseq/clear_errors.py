@@ -485,7 +485,9 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
     ours = ARCH_MODEL_NAME_REGISTRY.get(getattr(model_cfg, "_name", None))
     if theirs is None or ours not in TARGETS or theirs in (ours, TARGETS[ours].teacher):
         return None
-    fits = [ARCHS[kind] for kind, target in TARGETS.items() if theirs in (kind, target.teacher)]
+    # an arch of the checkpoint's kind, with that kind's task (a causal LM's weights train under language_modeling)
+    fits = [f"{ARCHS[kind]} with {' '.join(target.task[:2])}" for kind, target in TARGETS.items()
+            if theirs in (kind, target.teacher)]
     return (f"it holds a {theirs} model (--arch {arch}), and --arch {model_cfg._name} builds a {ours}, which starts "
             f"from a {ours} or a fairseq {TARGETS[ours].teacher} checkpoint: "
             + (f"pick an arch of {fits[0]}" if fits else "start from a checkpoint of that kind"))

@@ -553,13 +553,13 @@ def test_a_teacher_of_another_kind_names_the_arch_that_starts_from_it(roberta, t
 
     from lion_fairseq.clear_errors import other_kind_message
 
-    cases = [(transformer, "lion_s_lm_tiny", "lion_{lit,d,s}_transformer"),
-             (transformer_lm, "lion_s_transformer_tiny", "lion_{lit,d,s}_lm[_tiny]"),
-             (transformer_lm, "lion_s_tiny", "lion_{lit,d,s}_lm[_tiny]"),
-             (roberta, "lion_d_lm_tiny", "lion_{lit,d,s}[_large|_tiny]")]
-    for checkpoint, arch, pick in cases:
+    cases = [(transformer, "lion_s_lm_tiny", "lion_{lit,d,s}_transformer", "translation"),
+             (transformer_lm, "lion_s_transformer_tiny", "lion_{lit,d,s}_lm[_tiny]", "language_modeling"),
+             (transformer_lm, "lion_s_tiny", "lion_{lit,d,s}_lm[_tiny]", "language_modeling"),
+             (roberta, "lion_d_lm_tiny", "lion_{lit,d,s}[_large|_tiny]", "masked_lm")]
+    for checkpoint, arch, pick, task in cases:  # with the task that kind trains under
         message = other_kind_message(str(checkpoint), SimpleNamespace(_name=arch))
-        assert message and f"pick an arch of {pick}" in message, (arch, message)
+        assert message and f"pick an arch of {pick}" in message and f"with --task {task}" in message, (arch, message)
     # a teacher of the arch's own kind, or a LION checkpoint of it, is for the weights to judge
     assert other_kind_message(str(roberta), SimpleNamespace(_name="lion_s_tiny")) is None
     assert other_kind_message(str(transformer_lm), SimpleNamespace(_name="lion_lit_lm")) is None
