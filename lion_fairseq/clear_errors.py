@@ -109,7 +109,7 @@ def changed_model_message(model_cfg: Any, fixed: Dict[str, Any]) -> Optional[str
             "with the option")
 
 
-# the model config of each checkpoint read, by path, until the trainer that asked for it looks at it
+# the model config of the last checkpoint read, by its path, for the trainer that asked for it
 _TRAINED_AS: Dict[str, Any] = {}
 
 
@@ -165,7 +165,9 @@ def _wrap_load_checkpoint_to_cpu(original):
         changed = changed_model_message(model, fixed) if fixed and model is not None else None
         if changed:
             raise ValueError(f"{path}: {changed}")
-        _TRAINED_AS[str(path)] = model  # for the trainer's check that a resumed run is the same model
+        # for the trainer's check that a resumed run is the same model, which follows the read at once
+        _TRAINED_AS.clear()
+        _TRAINED_AS[str(path)] = model
         return state
     load_checkpoint_to_cpu.__lion_wrapped__ = True
     return load_checkpoint_to_cpu
