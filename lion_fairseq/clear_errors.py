@@ -66,11 +66,35 @@ def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
             f"or pass --restore-file <an intact checkpoint>.{hint}")
 
 
-def _namespace_allowed() -> contextlib.AbstractContextManager:
-    """``argparse.Namespace`` allowed in ``weights_only`` loads inside the block (torch >= 2.5); on older
-    torch, which has no such allowance and whose default load is not ``weights_only``, nothing."""
+def _namespace_allowed(*more: type) -> contextlib.AbstractContextManager:
+    """``argparse.Namespace`` (and the classes ``more``) allowed in ``weights_only`` loads inside the block
+    (torch >= 2.5); on older torch, which has no such allowance and whose default load is not
+    ``weights_only``, nothing."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)
-    return safe_globals([argparse.Namespace]) if safe_globals is not None else contextlib.nullcontext()
+    return safe_globals([argparse.Namespace, *more]) if safe_globals is not None else contextlib.nullcontext()
+
+
+def _wrap_broadcast_object(original):
+    """fairseq's ``broadcast_object``, by which rank 0 sends the checkpoint it read to the other ranks, loads
+    what it receives with ``torch.load``: under torch's ``weights_only`` default (torch >= 2.6) a checkpoint's
+    state failed there (its config is an omegaconf ``DictConfig``, its tensors stand in as fairseq's
+    ``_TensorPlaceholder``), so no multi-process run could resume. The config travels as plain data and is
+    made a ``DictConfig`` again on arrival, as ``load_checkpoint_to_cpu`` makes it; the placeholders are
+    allowed for the call."""
+    @functools.wraps(original)
+    def broadcast_object(obj, src_rank, group, dist_device=None):
+        from fairseq.distributed.utils import _TensorPlaceholder
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(obj, dict) and isinstance(obj.get("cfg"), DictConfig):
+            obj = dict(obj, cfg=OmegaConf.to_container(obj["cfg"]))
+        with _namespace_allowed(_TensorPlaceholder):
+            received = original(obj, src_rank, group, dist_device)
+        if isinstance(received, dict) and isinstance(received.get("cfg"), dict):
+            received["cfg"] = OmegaConf.create(received["cfg"], flags={"allow_objects": True})
+        return received
+    broadcast_object.__lion_wrapped__ = True
+    return broadcast_object
 
 
 def _safe_load(path: str) -> Dict[str, Any]:
@@ -348,6 +372,10 @@ def install() -> None:
 
     if not getattr(Trainer.load_checkpoint, "__lion_wrapped__", False):
         Trainer.load_checkpoint = _wrap_trainer_load_checkpoint(Trainer.load_checkpoint)
+    from fairseq.distributed import utils as distributed_utils
+
+    if not getattr(distributed_utils.broadcast_object, "__lion_wrapped__", False):
+        distributed_utils.broadcast_object = _wrap_broadcast_object(distributed_utils.broadcast_object)
     if not getattr(Trainer.__init__, "__lion_wrapped__", False):
         Trainer.__init__ = _wrap_trainer_init(Trainer.__init__)
     from fairseq.tasks.language_modeling import LanguageModelingTask
@@ -523,6 +551,11 @@ def _wrap_trainer_load_checkpoint(original):
                     "use --finetune-from-model") from e
             raise
         changes = changed_since_training(_TRAINED_AS.pop(str(filename), None), self.cfg.model)
+        if self.data_parallel_world_size > 1:  # only rank 0 may have read the file: every rank stops alike
+            from fairseq.distributed import utils as distributed_utils
+
+            changes = distributed_utils.broadcast_object(changes, src_rank=0, group=self.data_parallel_process_group,
+                                                         dist_device=self.device)
         if changes:
             reset_optimizer = args[0] if args else kwargs.get("reset_optimizer", False)
             if not reset_optimizer:  # the run goes on: nothing has trained yet, and the checkpoint is intact

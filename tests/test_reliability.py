@@ -86,6 +86,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def base_args(task: str) -> List[str]:
+    return [*COMMON, *TASKS[task], "--dropout", "0", "--batch-size", "4", "--max-update", str(UPDATES),
+            "--save-interval-updates", str(HALF)]
+
+
+def rank_args(task: str, rank: int, port: int) -> List[str]:
+    """Rank ``rank`` of two CPU processes started by hand (gloo)."""
+    return ["--distributed-world-size", "2", "--distributed-backend", "gloo", "--ddp-backend", DDP_BACKEND[task],
+            "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://localhost:{port}",
+            "--distributed-no-spawn"]
+
+
 @pytest.fixture(scope="module")
 def runs(text_data_bin, tmp_path_factory):
     """Side by side, for LM and MLM (dropout 0, two batches of 4 per update):
@@ -105,8 +117,7 @@ def runs(text_data_bin, tmp_path_factory):
     Returns ``{task: {"dir": {kind: save dir}, "log": {kind: text}, "rc_killed": int, "at_kill": state}}``.
     """
     root = tmp_path_factory.mktemp("runs")
-    base = {t: [*COMMON, *TASKS[t], "--dropout", "0", "--batch-size", "4", "--max-update", str(UPDATES),
-                "--save-interval-updates", str(HALF)] for t in TASKS}
+    base = {t: base_args(t) for t in TASKS}
     procs, logs, out = {}, {}, {t: {"dir": {}, "log": {}} for t in TASKS}
     two_devices = [sys.executable, str(ROOT / "tests" / "two_devices.py")]
     entry_point = subprocess.run([str(Path(sys.executable).with_name("lion-fairseq-user-dir"))], capture_output=True,
@@ -116,8 +127,7 @@ def runs(text_data_bin, tmp_path_factory):
         ranks = ["--distributed-world-size", "2", "--distributed-backend", "gloo", "--ddp-backend", DDP_BACKEND[t]]
         extra = {"straight": ["--update-freq", "2"], "killed": ["--update-freq", "2"]}
         for r in (0, 1):
-            extra[f"ddp{r}"] = [*ranks, "--distributed-rank", str(r), "--distributed-init-method",
-                                f"tcp://localhost:{port}", "--distributed-no-spawn"]
+            extra[f"ddp{r}"] = rank_args(t, r, port)
         extra["spawn"] = [*ranks, "--user-dir", "lion_fairseq" if t == "lm" else entry_point]
         commands = {"spawn": two_devices}
         if t == "lm":
@@ -177,6 +187,25 @@ def test_sigkill_mid_epoch_then_same_command_reaches_the_same_parameters(runs, t
     # the check has teeth: the second half moved the weights
     name = next(n for n in b if n.endswith("layers.0.fc1.weight"))
     assert not torch.equal(at_kill["model"][name], b[name])
+
+
+def test_two_gloo_processes_resume_mid_epoch_to_the_same_parameters(runs, text_data_bin, tmp_path):
+    """Two ranks restarted from the two-rank run's checkpoint at HALF updates end where that run ended. Rank 0
+    reads the checkpoint and broadcasts it, and under torch's weights_only default the other rank failed to
+    load what it received (an omegaconf config): no multi-process run could resume."""
+    import shutil
+
+    ddp = runs["lm"]["dir"]["ddp"]
+    shutil.copy(ddp / f"checkpoint_1_{HALF}.pt", tmp_path / "checkpoint_last.pt")
+    port = free_port()
+    logs = {r: tmp_path / f"rank{r}.log" for r in (0, 1)}
+    out = finish({r: start(text_data_bin, [*base_args("lm"), *rank_args("lm", r, port), "--save-dir", str(tmp_path)],
+                           logs[r]) for r in (0, 1)}, logs)
+    assert re.search(rf"Loaded checkpoint .*\(epoch 1 @ {HALF} updates\)", out[0]), out[0][-2000:]
+    assert train_losses(out[0]) == train_losses(runs["lm"]["log"]["ddp0"])[HALF:]
+    a, b = params(tmp_path / "checkpoint_last.pt"), params(ddp / "checkpoint_last.pt")
+    for name in b:
+        assert torch.equal(a[name], b[name]), name
 
 
 @pytest.mark.parametrize("task, launch", [("lm", "ddp"), ("mlm", "ddp"), ("lm", "spawn"), ("mlm", "spawn"),
