@@ -406,9 +406,14 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
 
     hub = LionLanguageModel.from_pretrained(str(lit_trained.parent), lit_trained.name, str(text_data_bin))
     words = " ".join(Path(text_data_bin).parent.joinpath("train.txt").read_text().split()[:80]).split()
-    with pytest.raises(ValueError, match=r"74 tokens exceeds the 64 learned positions.*a shorter prompt"):
-        hub.sample(" ".join(words[:74]), max_len_b=5)
-    assert hub.sample([" ".join(words[:74]), " ".join(words[:10])], max_len_b=3, skip_invalid_size_inputs=True)
+    for n in (74, 64, 63):  # 63: prompt and </s> fill the positions, nothing can be added
+        with pytest.raises(ValueError, match=rf"a prompt of {n} tokens leaves no room to continue in this model's 64 "
+                                             r"learned positions.*at most 62 tokens"):
+            hub.sample(" ".join(words[:n]), max_len_b=5)
+    assert len(hub.sample([" ".join(words[:63]), " ".join(words[:10])], max_len_b=3,
+                          skip_invalid_size_inputs=True)) == 1
+    with pytest.warns(UserWarning, match=r"a prompt of 62 tokens continues by at most 1 tokens, not 5"):
+        assert len(hub.sample(" ".join(words[:62]), max_len_b=5, min_len=3).split()) == 63
     with pytest.warns(UserWarning, match=r"a prompt of 61 tokens continues by at most 2 tokens, not 20"):
         tokens = hub.generate(hub.encode(" ".join(words[:61])), beam=1, max_len_b=20, min_len=2)[0]["tokens"]
     eos = hub.task.source_dictionary.eos()

@@ -16,8 +16,6 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from fairseq.hub_utils import GeneratorHubInterface
 
-from ..clear_errors import check_learned_positions
-
 logger = logging.getLogger(__name__)
 
 SPM = "sentencepiece.bpe.model"
@@ -110,18 +108,25 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
             groups[len(tokens) - int(len(tokens) > 0 and tokens[-1] == eos)].append(i)
         outputs: List[Optional[List[Dict[str, torch.Tensor]]]] = [None] * len(tokenized_sentences)
         limit = min(model.max_positions() for model in self.models)  # bounded by learned positions only
+        room = limit - 1  # tokens of prompt and continuation: the generator keeps the last position for </s>
         for prompt, ids in groups.items():
-            if not skip_invalid_size_inputs:
-                check_learned_positions(prompt, limit, shorter="a shorter prompt (or skip_invalid_size_inputs=True "
-                                                               "to skip it)")
-            wanted = int(per_prompt * prompt + new)
-            if prompt <= limit and prompt + wanted >= limit:  # the generator stops one short of the limit
-                warnings.warn(f"a prompt of {prompt} tokens continues by at most {max(0, limit - 1 - prompt)} "
-                              f"tokens, not {wanted}: the model's {limit} learned positions (--lion-positions "
-                              "learned, LION-LIT's default) bound prompt and continuation together")
+            if prompt >= room:  # not one token to add
+                if skip_invalid_size_inputs:
+                    continue
+                raise ValueError(
+                    f"a prompt of {prompt} tokens leaves no room to continue in this model's {limit} learned "
+                    f"positions (--lion-positions learned, LION-LIT's default; the generator keeps the last for "
+                    f"</s>): use a prompt of at most {room - 1} tokens (or skip_invalid_size_inputs=True to skip "
+                    "it), or train with --lion-positions none, or LION-D / LION-S, which have no length limit")
+            wanted, least = int(per_prompt * prompt + new), min_new
+            if prompt + wanted > room:
+                warnings.warn(f"a prompt of {prompt} tokens continues by at most {room - prompt} tokens, not "
+                              f"{wanted}: the model's {limit} learned positions (--lion-positions learned, "
+                              "LION-LIT's default) bound prompt and continuation together")
+                least = min(least, room - prompt)
             hypos = super().generate([tokenized_sentences[i] for i in ids], beam, verbose, skip_invalid_size_inputs,
                                      inference_step_args, prefix_allowed_tokens_fn, max_len_a=0,
-                                     max_len_b=prompt + int(per_prompt * prompt + new), min_len=prompt + min_new,
+                                     max_len_b=prompt + wanted, min_len=prompt + least,
                                      **kwargs)
             # a group is skipped whole or not at all (skip_invalid_size_inputs goes by length)
             for i, h in zip(ids, hypos):

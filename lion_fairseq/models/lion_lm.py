@@ -158,7 +158,9 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         if incremental_state is not None:
             n_tokens = seen + (~pad).sum(1)
             self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": n_tokens})
+            # the prefix's length bounds every row's count: only the last steps read the count (a host sync)
             if self.embed_positions is not None and not self.warned_at_limit \
+                    and prev_output_tokens.size(1) >= self.max_target_positions - 1 \
                     and int(n_tokens.max()) >= self.max_target_positions - 1:
                 # fairseq's generator ends every sequence one token short of the model's positions, silently
                 self.warned_at_limit = True
