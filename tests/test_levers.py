@@ -285,3 +285,23 @@ def test_recall_data_has_its_known_answer():
         assert len(pairs) == 8
         queries = list(zip(words[16::2], words[17::2]))
         assert sorted(k for k, _ in queries) == sorted(pairs) and all(pairs[k] == v for k, v in queries)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_byte_padding_mask_is_the_bool_mask_it_stands_for(causal):
+    """An integer key padding mask (older fairseq's byte masks) gives what the bool one gives, through the
+    short convolution (which selects with it) and in decoding; a float mask (additive) is refused."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, C)
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    attn = LionAttention(C, H, "s", causal=causal, short_conv=3, output_gate=True).eval()
+    with torch.no_grad():
+        assert torch.equal(attn(x, key_padding_mask=mask.to(torch.uint8)), attn(x, key_padding_mask=mask))
+        if causal:
+            states = [{}, {}]
+            steps = [[attn(x[:4], key_padding_mask=m[:, :4], incremental_state=s),
+                      attn(x[4:5], key_padding_mask=m[:, 4:5], incremental_state=s)]
+                     for m, s in zip((mask.to(torch.uint8), mask), states)]
+            assert all(torch.equal(a, b) for a, b in zip(*steps))
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor"):
+        attn(x, key_padding_mask=mask.float())

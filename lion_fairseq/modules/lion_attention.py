@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..ops import (FORMS, block_attention, causal_state, is_chunk_size, lion_attention, lion_step, state_after,
                    state_before)
+from ..ops.attention import bool_padding_mask
 from ..ops.float32 import float32_math
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
 
@@ -251,6 +252,8 @@ class LionAttention(nn.Module):
         T, B, C = x.shape
         if C != self.embed_dim:
             raise ValueError(f"input has {C} channels; this LionAttention was built for {self.embed_dim}")
+        if key_padding_mask is not None:  # the convolution and decoding select with it too
+            key_padding_mask = bool_padding_mask(key_padding_mask)
         q, k, v = self._qkv(x, key_padding_mask, incremental_state)
         if not self.normalize and v.dtype == torch.float16:
             v = v.float()  # an unnormalised sum over T keys can pass fp16's 65504: the output stays float32

@@ -46,6 +46,16 @@ def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: tor
     return a.expand(a.shape[0], a.shape[1], L) if expand else a
 
 
+def bool_padding_mask(key_padding_mask: Tensor) -> Tensor:
+    """A key padding mask as bool, True at padding: an integer one (older fairseq's byte masks) is nonzero
+    there. A float mask may be additive (-inf at padding) and is refused."""
+    if key_padding_mask.dtype == torch.bool:
+        return key_padding_mask
+    if key_padding_mask.is_floating_point() or key_padding_mask.is_complex():
+        raise ValueError(f"key_padding_mask must be a bool tensor, True at padding; got {key_padding_mask.dtype}")
+    return key_padding_mask != 0
+
+
 def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """Zero the keys and values at padding (``key_padding_mask`` ``(B, L)``, True there): they then add
     nothing to any state or score. k: ``(B, H, L, Dk)``, v: ``(B, H, L, Dv)``."""
@@ -108,12 +118,10 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         raise ValueError(f"v must be (B, H, L, Dv) with q's (B, H, L) = {tuple(q.shape[:3])}; got {tuple(v.shape)}")
     B, H, L, _ = q.shape
     if key_padding_mask is not None:
-        integral = not (key_padding_mask.is_floating_point() or key_padding_mask.is_complex())
-        if key_padding_mask.shape != (B, L) or not integral:  # a float mask may be additive (-inf): refused
+        if key_padding_mask.shape != (B, L):
             raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
                              f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
-        if key_padding_mask.dtype != torch.bool:  # a byte mask (older fairseq's): nonzero is padding
-            key_padding_mask = key_padding_mask != 0
+        key_padding_mask = bool_padding_mask(key_padding_mask)
 
     if matmul_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")
