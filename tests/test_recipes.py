@@ -323,7 +323,9 @@ def test_lm_and_translation_warm_up_for_the_same_share_of_a_shorter_run(stub_bin
     for recipe, full in (("lm/train.sh", 50000), ("translation/train.sh", 60000)):
         argv = ["bash", RECIPES / recipe, tmp_path, tmp_path / "ckpt"]
         assert option(run_stub(stub_bin, argv, PRECISION="fp32"), "--warmup-updates") == "4000"
-        for updates, warmup in ((full // 10, "400"), (20, "1"), (10 * full, "4000")):
+        # 0 is fairseq's "no limit" (with --max-epoch, say): the full warm-up; a leading zero is decimal
+        for updates, warmup in ((full // 10, "400"), (20, "1"), (10 * full, "4000"), (0, "4000"),
+                                ("0" + str(full // 10), "400")):
             args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE=str(updates))
             assert option(args, "--warmup-updates") == warmup, (recipe, updates)
         args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE="20", WARMUP_UPDATES="7")

@@ -38,10 +38,10 @@ precision_flags() {
 six_percent() { local w=$(( $1 * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$1" -gt 0 ]; then w=1; fi; echo "$w"; }
 
 # warm-up of MAX_UPDATE ($1) updates for a recipe whose full run warms up $2 of $3: the same share, at most $2
-# (a short run would otherwise end inside the warm-up, at a tiny learning rate)
+# (a short run would otherwise end inside the warm-up, at a tiny learning rate); 0 (fairseq: no limit) gets $2
 warmup_share() {
-  local w=$(( $1 * $2 / $3 ))
-  if [ "$w" -gt "$2" ]; then w=$2; fi
+  local m=$(( 10#$1 )) w=$2  # 10#: a leading zero is not octal
+  if [ "$m" -gt 0 ] && [ "$m" -lt "$3" ]; then w=$(( m * $2 / $3 )); fi
   if [ "$w" -lt 1 ]; then w=1; fi
   echo "$w"
 }
