@@ -1,8 +1,9 @@
 """lion-fairseq: LION attention for fairseq. Importing the package (``--user-dir lion_fairseq``) registers
 its models, tasks and criterions with fairseq; ``lion_fairseq.ops`` is the pure-PyTorch operator.
 
-Without fairseq (or with one older than 0.12) the import warns what to install and registers nothing, so
-that the operator still serves a PyTorch model of one's own; the hub classes then raise that message."""
+Without fairseq the import warns what to install and registers nothing, so that the operator still serves
+a PyTorch model of one's own; the hub classes then raise that message. A fairseq older than 0.12 is
+refused: there the plugin is being used, with a fairseq it does not run on."""
 import warnings
 from typing import Optional
 
@@ -13,20 +14,20 @@ INSTALL = ("On Python 3.11 install the rebuild without its torchaudio pin:\n"
            "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)")
 
 
-def _fairseq_problem() -> Optional[str]:
-    """Why fairseq cannot take this plugin here, with what to install; None where it can."""
+def _missing_fairseq() -> Optional[str]:
+    """Why fairseq is not there, with what to install; None where it is (raises where it is too old)."""
     try:
         import fairseq
     except ImportError as e:
         return f"lion_fairseq's models need fairseq ({e}); its operator, lion_fairseq.ops, does not. {INSTALL}"
     version = tuple(int(x) for x in fairseq.__version__.split(".")[:2] if x.isdigit())
     if version < (0, 12):
-        return (f"lion_fairseq needs fairseq >= 0.12 (found {fairseq.__version__}); on Python 3.11 install "
-                "ve-fairseq==0.12.3 with --no-deps (see README, Install)")
+        raise ImportError(f"lion_fairseq needs fairseq >= 0.12 (found {fairseq.__version__}); on Python 3.11 "
+                          "install ve-fairseq==0.12.3 with --no-deps (see README, Install)")
     return None
 
 
-FAIRSEQ_PROBLEM = _fairseq_problem()
+FAIRSEQ_PROBLEM = _missing_fairseq()
 
 if FAIRSEQ_PROBLEM is None:
     from . import numpy_compat  # noqa: F401  (fairseq 0.12 reads np.compat.long, gone in numpy 2)
