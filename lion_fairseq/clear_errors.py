@@ -27,6 +27,7 @@ import difflib
 import functools
 import logging
 import os
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -66,12 +67,36 @@ def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
             f"or pass --restore-file <an intact checkpoint>.{hint}")
 
 
-def _namespace_allowed(*more: type) -> contextlib.AbstractContextManager:
-    """``argparse.Namespace`` (and the classes ``more``) allowed in ``weights_only`` loads inside the block
-    (torch >= 2.5); on older torch, which has no such allowance and whose default load is not
-    ``weights_only``, nothing."""
+def refused_object_message(path: str, error: BaseException) -> str:
+    """What to tell a user whose intact checkpoint holds an object that torch's ``weights_only`` load refuses."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    what = found.group(1) if found else "an object"
+    return (f"cannot load checkpoint {path}: the file is intact, but it holds {what}, which torch's safe "
+            "(weights_only) load refuses and this plugin does not allow. If you trust the file, "
+            f"torch.serialization.add_safe_globals([{what}]) before loading it allows that class")
+
+
+def _numpy_scalars() -> List[type]:
+    """What pickles a numpy scalar: fairseq keeps sklearn's and scipy's metrics as the best checkpoint's
+    score (``--report-acc-and-f1``, ``--report-pearson-and-spearman``: MRPC, QQP, STS-B)."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import scalar
+    return [scalar, np.dtype, *{type(np.dtype(t)) for t in (np.float64, np.float32, np.int64, np.int32, np.bool_)}]
+
+
+def _allowed_in_checkpoints(*more: type) -> contextlib.AbstractContextManager:
+    """What fairseq's checkpoints hold besides tensors and containers, allowed in ``weights_only`` loads
+    inside the block (torch >= 2.5): ``argparse.Namespace`` (legacy ``args``), numpy scalars (a best
+    score), and the classes ``more``. On older torch, which has no such allowance and whose default load is
+    not ``weights_only``, nothing."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)
-    return safe_globals([argparse.Namespace, *more]) if safe_globals is not None else contextlib.nullcontext()
+    if safe_globals is None:
+        return contextlib.nullcontext()
+    return safe_globals([argparse.Namespace, *_numpy_scalars(), *more])
 
 
 def _wrap_broadcast_object(original):
@@ -88,7 +113,7 @@ def _wrap_broadcast_object(original):
 
         if isinstance(obj, dict) and isinstance(obj.get("cfg"), DictConfig):
             obj = dict(obj, cfg=OmegaConf.to_container(obj["cfg"]))
-        with _namespace_allowed(_TensorPlaceholder):
+        with _allowed_in_checkpoints(_TensorPlaceholder):
             received = original(obj, src_rank, group, dist_device)
         if isinstance(received, dict) and isinstance(received.get("cfg"), dict):
             received["cfg"] = OmegaConf.create(received["cfg"], flags={"allow_objects": True})
@@ -101,7 +126,7 @@ def _safe_load(path: str) -> Dict[str, Any]:
     """``torch.load`` of a checkpoint as fairseq loads it, allowing ``argparse.Namespace`` for this call
     only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5)."""
     weights_only = {"weights_only": True} if hasattr(torch.serialization, "safe_globals") else {}
-    with _namespace_allowed():
+    with _allowed_in_checkpoints():
         return torch.load(path, map_location="cpu", **weights_only)
 
 
@@ -171,8 +196,12 @@ def _wrap_load_checkpoint_to_cpu(original):
         if fixed:  # checked against the trained values, so not applied (equal, they change nothing)
             arg_overrides = {k: v for k, v in arg_overrides.items() if k not in fixed}
         try:
-            with _namespace_allowed():
+            with _allowed_in_checkpoints():
                 state = original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
+        except pickle.UnpicklingError as e:
+            if "Weights only load failed" in str(e):  # intact, with an object weights_only refuses
+                raise CheckpointError(refused_object_message(str(path), e)) from e
+            raise CheckpointError(unreadable_checkpoint_message(str(path), e)) from e
         except (RuntimeError, EOFError, ValueError) as e:
             if isinstance(e, CheckpointError) or not os.path.isfile(str(path)):
                 raise
@@ -592,6 +621,8 @@ def explain(path: str) -> str:
     try:
         state = _safe_load(path)
     except Exception as e:  # noqa: BLE001 - any failure to read is the diagnosis
+        if "Weights only load failed" in str(e):
+            return refused_object_message(path, e)
         return unreadable_checkpoint_message(path, e)
     cfg = state.get("cfg") or {}
     model_cfg = cfg.get("model") if hasattr(cfg, "get") else None
@@ -620,7 +651,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = 0
     for path in args.checkpoints:
         text = explain(path)
-        bad += text.startswith("cannot read") or text.endswith("no such file")
+        bad += text.startswith(("cannot read", "cannot load")) or text.endswith("no such file")
         print(text)
     return 1 if bad else 0
 

@@ -444,6 +444,32 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     assert proc.returncode == 1 and "--user-dir" in proc.stdout and "truncated or corrupt" in proc.stdout, proc
 
 
+def test_numpy_scores_load_and_a_refused_object_is_not_called_corrupt(runs, tmp_path):
+    """fairseq keeps the best score as a numpy scalar where sklearn or scipy computed it (GLUE's MRPC, QQP,
+    STS-B: --report-acc-and-f1, --report-pearson-and-spearman), which torch's weights_only load refused:
+    such checkpoints load. An intact file holding an object that is still refused is said to be intact,
+    naming the object, not truncated or corrupt."""
+    import fractions
+
+    import numpy as np
+    from fairseq import checkpoint_utils
+
+    state = torch.load(runs["lm"]["dir"]["straight"] / "checkpoint_last.pt", weights_only=True)
+    state["extra_state"]["best"] = np.float64(0.8125)
+    scored = tmp_path / "checkpoint_best.pt"
+    torch.save(state, scored)
+    best = checkpoint_utils.load_checkpoint_to_cpu(str(scored))["extra_state"]["best"]
+    assert best == 0.8125 and isinstance(best, np.float64)
+    assert "'lion_s_lm_tiny'" in clear_errors.explain(str(scored))
+    state["extra_state"]["odd"] = fractions.Fraction(1, 3)
+    odd = tmp_path / "checkpoint_odd.pt"
+    torch.save(state, odd)
+    with pytest.raises(clear_errors.CheckpointError, match=r"the file is intact, but it holds fractions\.Fraction"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(odd))
+    text = clear_errors.explain(str(odd))
+    assert "intact" in text and "truncated" not in text
+
+
 def test_checkpoint_of_another_architecture_names_both(runs, text_data_bin):
     from fairseq import checkpoint_utils
 
