@@ -233,6 +233,16 @@ def test_attention_transfer_loss_falls(roberta, text_data_bin):
     assert share() < 0.7 * first
 
 
+def test_attention_transfer_refuses_a_student_that_did_not_start_from_the_teacher(roberta, text_data_bin, tmp_path):
+    """Without --finetune-from-model the student's v and output projections are random and stay frozen: the
+    transfer ran, its rel_err near 1.8, without a word. It stops naming the option."""
+    with pytest.raises(AssertionError, match=r"did not start from the teacher \(layer 0's v_proj differs\).*"
+                                             r"--finetune-from-model <the --teacher checkpoint>"):
+        fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,
+                    "--criterion", "lion_attention_transfer", "--teacher", str(roberta), "--max-update", "1",
+                    "--save-dir", str(tmp_path))
+
+
 def test_attention_transfer_refuses_unknown_parts(roberta, text_data_bin, tmp_path):
     with pytest.raises(AssertionError, match="--transfer-params"):
         fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,

@@ -78,6 +78,23 @@ class LionAttentionTransferCriterion(FairseqCriterion):
         models, _ = checkpoint_utils.load_model_ensemble([teacher], task=task)
         # a list, not a submodule: the teacher stays out of the optimizer and of every checkpoint
         self._teacher = [models[0].eval().requires_grad_(False)]
+        self._checked_start = False
+
+    def _check_start(self, layers, teacher_layers) -> None:
+        """The parts outside ``--transfer-params`` stay frozen, so they must be the teacher's: a student
+        that did not start from the teacher only reproduces it through random values and outputs."""
+        for name in ("v_proj", "out_proj"):
+            if any(prefix.startswith(name) for prefix in self.trained):
+                continue
+            mine = getattr(layers[0].self_attn, name).weight.detach().float()
+            theirs = getattr(teacher_layers[0].self_attn, name).weight.detach().float().to(mine.device)
+            if mine.shape != theirs.shape or (mine - theirs).norm() > 1e-3 * theirs.norm():
+                raise ValueError(
+                    f"the student's attention did not start from the teacher (layer 0's {name} differs), and "
+                    f"what --transfer-params leaves out ({name} among it) stays frozen: pass --finetune-from-model "
+                    "<the --teacher checkpoint> (or --restore-file <a converted checkpoint> with the --reset-* "
+                    "options) so that the student starts as the teacher converted")
+        self._checked_start = True
 
     def _teacher_states(self, src_tokens: Tensor, like: Tensor):
         """The teacher's per-layer (attention input, attention output), each ``(T, B, C)``."""
@@ -110,6 +127,8 @@ class LionAttentionTransferCriterion(FairseqCriterion):
         if states[0][0].shape[-1] != layers[0].self_attn.embed_dim:
             raise ValueError(f"the teacher is {states[0][0].shape[-1]} wide and the model "
                              f"{layers[0].self_attn.embed_dim}: pass the teacher's --encoder-embed-dim")
+        if not self._checked_start:
+            self._check_start(layers, self._teacher[0].encoder.sentence_encoder.layers)
         pad = src.eq(self.padding_idx)
         real = (~pad).t().unsqueeze(-1).to(states[0][1].dtype)  # (T, B, 1)
         tokens = real.sum() * states[0][1].shape[-1]
