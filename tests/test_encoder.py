@@ -267,6 +267,12 @@ def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
     assert "sentence_classification_head" in hub.model.classification_heads
     logp = hub.predict("sentence_classification_head", hub.encode("the object is returned"))
     assert logp.shape == (1, 2) and torch.allclose(logp.exp().sum(), torch.tensor(1.0))
+    with pytest.raises(KeyError, match=r"no classification head 'sentence_classification'.*"
+                                       r"\['sentence_classification_head'\].*register_classification_head"):
+        hub.predict("sentence_classification", hub.encode("the object is returned"))
+    # the pretraining data folder: the task reads input0/dict.txt, and the message names that file
+    with pytest.raises(FileNotFoundError, match=r"has no input0/dict\.txt"):
+        LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(text_data_bin))
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -173,7 +173,8 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
 def missing_dictionary(error: BaseException) -> Optional[str]:
     """The dictionary that fairseq's task set-up did not find, from its error (None: another error)."""
     if isinstance(error, FileNotFoundError):
-        found = re.search(r"dict(\.[^/\\]+)?\.txt", str(error))
+        # sentence_prediction reads input0/dict.txt (and label/dict.txt), the others dict[.lang].txt
+        found = re.search(r"((?:input\d+|label)[/\\])?dict(\.[^/\\]+)?\.txt", str(error))
         return found.group(0) if found else None
     if "Could not infer language pair" in str(error):  # translation: neither languages nor data files
         return "dict.<source>.txt and dict.<target>.txt (nor data files naming the languages)"

@@ -211,6 +211,15 @@ class LionHubInterface(RobertaHubInterface):
                                 shorter="a shorter input (<s> and </s> count)")
         return super().extract_features(tokens, return_all_hiddens)
 
+    def predict(self, head: str, tokens: torch.LongTensor, return_logits: bool = False) -> torch.Tensor:
+        """RoBERTa's, naming the heads there are where ``head`` is none of them (a bare KeyError)."""
+        heads = getattr(self.model, "classification_heads", {})
+        if head not in heads:
+            raise KeyError(f"no classification head {head!r}: this model has {sorted(heads)} (fine-tuning with "
+                           "--task sentence_prediction adds 'sentence_classification_head'; "
+                           "register_classification_head adds one)")
+        return super().predict(head, tokens, return_logits)
+
     def fill_mask(self, masked_input: str, topk: int = 5) -> List[Tuple[str, float, str]]:
         """Top-k fillers of the single ``<mask>`` in ``masked_input``: a list of (filled sentence,
         probability, token), most probable first. The probabilities are the model's over its whole
