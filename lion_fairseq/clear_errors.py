@@ -552,6 +552,21 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
             + (f"pick an arch of {fits[0]}" if fits else "start from a checkpoint of that kind"))
 
 
+SIZE_OPTIONS = [f"{stack}_{size}" for stack in ("encoder", "decoder")
+                for size in ("layers", "embed_dim", "ffn_embed_dim", "attention_heads")]
+
+
+def trained_as_options(model_cfg: Any) -> Optional[str]:
+    """A LION checkpoint's arch and sizes as the command line gives them (``--arch lion_s_tiny
+    --encoder-layers 2 ...``), for a model built otherwise; None for other checkpoints."""
+    arch = getattr(model_cfg, "_name", None) if model_cfg is not None else None
+    if not str(arch).startswith("lion"):
+        return None
+    sizes = [f"--{key.replace('_', '-')} {getattr(model_cfg, key)}" for key in SIZE_OPTIONS
+             if getattr(model_cfg, key, None) is not None]
+    return " ".join([f"--arch {arch}", *sizes])
+
+
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
@@ -571,7 +586,9 @@ def _wrap_trainer_load_checkpoint(original):
             if "architectures match" in str(e) and cause is not None and (
                     "do not fit the model being built" in str(cause) or isinstance(cause, ValueError)):
                 other = other_kind_message(filename, self.cfg.model)
-                raise CheckpointError(f"cannot start from {filename}: {other or cause}") from e
+                trained = trained_as_options(_TRAINED_AS.get(str(filename))) if other is None else None
+                raise CheckpointError(f"cannot start from {filename}: {other or cause}"
+                                      + (f" It was trained as {trained}." if trained else "")) from e
             if isinstance(e, ValueError) and str(e).startswith("loaded state dict"):  # torch's optimizer
                 raise CheckpointError(
                     f"cannot resume the optimizer of {filename}: it holds the state of another model's "

@@ -301,6 +301,9 @@ def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
                     "--reset-meters", "--batch-size", "8", "--max-update", "1", "--save-dir", str(tmp_path / "ft"))
     last = [line for line in str(failed.value).splitlines() if line.strip()][-1]
     assert "learned positions: the checkpoint has 64 and the model 512; pass --max-positions 64" in last, last
+    # and, read from the checkpoint, the arch and sizes to pass in one go (not one option per failed run)
+    assert last.endswith("It was trained as --arch lion_lit_tiny --encoder-layers 2 --encoder-embed-dim 128 "
+                         "--encoder-ffn-embed-dim 512 --encoder-attention-heads 2."), last
 
 
 def test_missing_restore_file_with_resets_is_refused(mlm, text_data_bin, tmp_path):
