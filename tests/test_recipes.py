@@ -313,6 +313,10 @@ def test_pretrain_defaults_base_and_large(stub_bin, spm_data, tmp_path):
     assert "fairseq-train --bf16" in out and "common.bf16=true" in out
     out = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", tmp_path, tmp_path], ok=False)
     assert "has no dict.txt" in out
+    # an arch of another kind failed in fairseq-train on an option it does not take (--attention-dropout)
+    out = run_stub(stub_bin, ["bash", RECIPES / "mlm/pretrain.sh", spm_data, tmp_path], ok=False,
+                   ARCH="lion_s_lm_tiny", PRECISION="fp32")
+    assert "ARCH must be a masked-LM encoder" in out and "'lion_s_lm_tiny'" in out
 
 
 def test_lm_and_translation_warm_up_for_the_same_share_of_a_shorter_run(stub_bin, tmp_path):

@@ -46,4 +46,12 @@ warmup_share() {
   echo "$w"
 }
 
+# an ARCH of another kind fails in fairseq-train on an option it does not take: name it first
+encoder_arch() {
+  case "$1" in
+    *_lm|*_lm_*|*_transformer|*_transformer_*|*_lra_*)
+      die "ARCH must be a masked-LM encoder (lion_{lit,d,s}[_large|_tiny], the pretrained checkpoint's), got '$1'" ;;
+  esac
+}
+
 is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }

@@ -14,6 +14,8 @@ DATA=$1; CKPT=$2; SAVE=$3; shift 3
 [ -d "$DATA/input0" ] && [ -d "$DATA/label" ] || die "TASK_DATA_BIN $DATA lacks input0/ and label/: make it with prepare.sh"
 [ -f "$CKPT" ] || die "PRETRAINED_CHECKPOINT $CKPT not found"
 need fairseq-train
+ARCH=${ARCH:-lion_s}
+encoder_arch "$ARCH"
 
 BATCH_SIZE=${BATCH_SIZE:-32}
 MAX_EPOCH=${MAX_EPOCH:-10}
@@ -53,7 +55,7 @@ fi
 # pairs instead of dropping them. --reset-*: start a new run from the pretrained weights only.
 run fairseq-train "$DATA" --user-dir "$USER_DIR" --restore-file "$CKPT" \
   --reset-optimizer --reset-dataloader --reset-meters \
-  --task sentence_prediction --criterion sentence_prediction --arch "${ARCH:-lion_s}" --lion-form "${LION_FORM:-chunk}" \
+  --task sentence_prediction --criterion sentence_prediction --arch "$ARCH" --lion-form "${LION_FORM:-chunk}" \
   --num-classes "$NUM_CLASSES" --init-token 0 --separator-token 2 \
   --max-positions "${MAX_POSITIONS:-128}" --shorten-method truncate \
   --batch-size "$BATCH_SIZE" --required-batch-size-multiple 1 \

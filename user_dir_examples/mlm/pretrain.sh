@@ -14,6 +14,7 @@ DATA=$1; SAVE=$2; shift 2
 need fairseq-train
 
 ARCH=${ARCH:-lion_s}
+encoder_arch "$ARCH"
 case "$ARCH" in *_large) DEFAULT_LR=2e-4 ;; *) DEFAULT_LR=8e-4 ;; esac
 LR=${LR:-$DEFAULT_LR}
 END_LR=${END_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr * 0.02 }')}
