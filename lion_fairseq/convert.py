@@ -16,6 +16,7 @@ positions, tied embeddings, languages) are taken from its checkpoint unless give
 of the teacher's dictionaries (default: the checkpoint's own folder, as in fairseq's released tarballs).
 Any other fairseq option of the arch may follow (``--lion-*``, ...)."""
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -144,6 +145,22 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
     return target
 
 
+def classifier_target(target: Target, state: Dict, config: Dict[str, Any]) -> Target:
+    """``target``, or for a RoBERTa fine-tuned with ``--task sentence_prediction`` (GLUE) the same model built
+    under that task: its data folder holds ``input0/`` (and ``label/``) dictionaries, and its classification
+    heads come with it."""
+    cfg = state.get("cfg") or {}
+    task = (cfg.get("task") or {}).get("_name") if state.get("args") is None else getattr(state["args"], "task", None)
+    if target.teacher != "roberta" or task != "sentence_prediction":
+        return target
+    regression = bool(config.get("regression_target"))
+    return dataclasses.replace(
+        target, task=("--task", "sentence_prediction", "--criterion", "sentence_prediction", "--num-classes",
+                      str(config.get("num_classes")), *(("--regression-target",) if regression else ())),
+        criterion="SentencePredictionCriterion", values=dict(target.values, max_positions=("--max-positions",)),
+        dictionaries=("input0/dict.txt",) + (() if regression else ("label/dict.txt",)))
+
+
 LANGUAGE_SHORT = {"source_lang": ("-s",), "target_lang": ("-t",)}  # fairseq's short spellings
 
 
@@ -167,7 +184,7 @@ def check_dictionaries(data: str, target: Target, config: Dict[str, Any], extra:
             continue
         name = pattern.format(**config)
         if not os.path.isfile(os.path.join(data, name)):
-            raise FileNotFoundError(f"no {name} in {data}: pass --data <the folder of the teacher's {name}>")
+            raise FileNotFoundError(f"no {name} in {data}: pass --data <the teacher's data folder, which holds {name}>")
 
 
 def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
@@ -192,7 +209,7 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
                                 "create it (mkdir -p) or pass a path in a folder that exists")
     state = _safe_load(checkpoint)
     config = teacher_config(state)
-    target = target_of(arch, config)
+    target = classifier_target(target_of(arch, config), state, config)
     data = data or os.path.dirname(os.path.abspath(checkpoint))
     check_dictionaries(data, target, config, extra)
     def parsed(flags: List[str]) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """Shared fixtures: a small real English corpus (pydoc_data.topics, shipped with every Python),
 binarised by fairseq-preprocess once per test session."""
 import os
+import random
 import re
 import subprocess
 import sys
@@ -51,6 +52,29 @@ def fairseq_cli(module: str, *args: str, cwd=None, timeout=900, stdin=None) -> s
         raise AssertionError(f"fairseq_cli.{module} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def labelled_data(root: Path, dict_txt: Path) -> Path:
+    """A balanced, learnable labelling of real lines: 1 if the line starts with a word, 0 if it starts
+    with a symbol; binarised in sentence_prediction's layout (input0/, label/)."""
+    rng = random.Random(0)
+    lines = corpus_lines()
+    words = [s for s in lines if s.split()[0].isalpha()]
+    symbols = [s for s in lines if not s.split()[0].isalpha()]
+    n = min(len(words), len(symbols))
+    data = [(s, 1) for s in rng.sample(words, n)] + [(s, 0) for s in rng.sample(symbols, n)]
+    rng.shuffle(data)
+    split = {"train": data[: int(0.85 * len(data))], "valid": data[int(0.85 * len(data)):]}
+    for name, rows in split.items():
+        (root / f"{name}.input0").write_text("".join(s + "\n" for s, _ in rows))
+        (root / f"{name}.label").write_text("".join(f"{y}\n" for _, y in rows))
+    out = root / "bin"
+    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.input0"),
+                "--validpref", str(root / "valid.input0"), "--destdir", str(out / "input0"),
+                "--srcdict", str(dict_txt), "--workers", "1")
+    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.label"),
+                "--validpref", str(root / "valid.label"), "--destdir", str(out / "label"), "--workers", "1")
+    return out
 
 
 def build_model(data: Path, task: str, *args: str):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does)
-from conftest import ROOT, USER_DIR, build_model, fairseq_cli
+from conftest import ROOT, USER_DIR, build_model, fairseq_cli, labelled_data
 from lion_fairseq.models.convert import GATE_LOGIT
 
 SIZE = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
@@ -36,6 +36,28 @@ def roberta(text_data_bin, tmp_path_factory):
                 "--max-update", "40", "--lr", "0.002", "--save-dir", str(save))
     shutil.copy(text_data_bin / "dict.txt", save / "dict.txt")
     return save / "checkpoint_last.pt"
+
+
+def test_convert_a_fine_tuned_roberta_classifier(roberta, text_data_bin, tmp_path):
+    """A RoBERTa fine-tuned with --task sentence_prediction (a GLUE model) converts under that task: its
+    data folder has input0/ and label/ dictionaries, and its classification head comes with it."""
+    from lion_fairseq.convert import main
+    from lion_fairseq.models.lion_encoder import LionRobertaModel
+
+    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
+    # --user-dir: RoBERTa's checkpoint holds an argparse.Namespace, which the plugin allows torch to load
+    fairseq_cli("train", str(data), "--user-dir", USER_DIR, *TRAIN[:TRAIN.index("--criterion")], "--task",
+                "sentence_prediction", "--criterion", "sentence_prediction", "--arch", "roberta_base", *SIZE,
+                "--num-classes", "2", "--max-positions", "32", "--init-token", "0", "--batch-size", "8",
+                "--restore-file", str(roberta), "--reset-optimizer", "--reset-dataloader", "--reset-meters",
+                "--max-update", "4", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(tmp_path / "cls"))
+    teacher = tmp_path / "cls" / "checkpoint_last.pt"
+    out = tmp_path / "lion_cls.pt"
+    assert main([str(teacher), str(out), "--arch", "lion_s_tiny", "--data", str(data)]) == 0
+    hub = LionRobertaModel.from_pretrained(str(tmp_path), out.name, str(data))
+    head = "classification_heads.sentence_classification_head.out_proj.weight"
+    assert torch.equal(hub.model.state_dict()[head], state_of(teacher)[head])
+    assert hub.predict("sentence_classification_head", hub.encode("the object is returned")).shape == (1, 2)
 
 
 def assert_gates_by_rule(state, layers: str, variant: str) -> None:

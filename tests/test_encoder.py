@@ -2,7 +2,6 @@
 form switching, padding, GLUE-style fine-tuning from the MLM checkpoint, the hub interface, gate
 gradients and option errors. Tiny models on a small real corpus (pydoc topics), CPU."""
 import json
-import random
 import re
 from pathlib import Path
 from typing import Dict, List
@@ -12,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does in the CLIs)
-from conftest import USER_DIR, corpus_lines, fairseq_cli
+from conftest import USER_DIR, corpus_lines, fairseq_cli, labelled_data
 
 VARIANTS = ("lit", "d", "s")
 FORMS = ("parallel", "chunk", "recurrent")
@@ -216,38 +215,16 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin):
     lit = LionRobertaModel.from_pretrained(str(mlm("lit")[0]), "checkpoint_last.pt", str(text_data_bin))
     with pytest.raises(ValueError, match=r"321 tokens exceeds the 64 learned positions.*--lion-positions none"):
         lit.extract_features(long)
+    lit.register_classification_head("head", num_classes=2)
     with pytest.raises(ValueError, match=r"321 tokens exceeds the 64 learned positions"):
         lit.predict("head", long)
-
-
-def _labelled_data(root: Path, dict_txt: Path) -> Path:
-    """A balanced, learnable labelling of real lines: 1 if the line starts with a word, 0 if it starts
-    with a symbol; binarised in sentence_prediction's layout (input0/, label/)."""
-    rng = random.Random(0)
-    lines = corpus_lines()
-    words = [s for s in lines if s.split()[0].isalpha()]
-    symbols = [s for s in lines if not s.split()[0].isalpha()]
-    n = min(len(words), len(symbols))
-    data = [(s, 1) for s in rng.sample(words, n)] + [(s, 0) for s in rng.sample(symbols, n)]
-    rng.shuffle(data)
-    split = {"train": data[: int(0.85 * len(data))], "valid": data[int(0.85 * len(data)):]}
-    for name, rows in split.items():
-        (root / f"{name}.input0").write_text("".join(s + "\n" for s, _ in rows))
-        (root / f"{name}.label").write_text("".join(f"{y}\n" for _, y in rows))
-    out = root / "bin"
-    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.input0"),
-                "--validpref", str(root / "valid.input0"), "--destdir", str(out / "input0"),
-                "--srcdict", str(dict_txt), "--workers", "1")
-    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.label"),
-                "--validpref", str(root / "valid.label"), "--destdir", str(out / "label"), "--workers", "1")
-    return out
 
 
 def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
     from lion_fairseq.models.lion_encoder import LionRobertaModel
 
     mlm_save, _ = mlm("s")
-    data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
+    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
     valid_labels = (tmp_path / "valid.label").read_text().split()
     chance = max(valid_labels.count("0"), valid_labels.count("1")) / len(valid_labels)
     save = tmp_path / "ft"
@@ -292,7 +269,7 @@ def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
     MLM trained on 64-token samples: the error names the learned positions and what to pass, and is the
     last thing printed, after fairseq's own 'please ensure that the architectures match'."""
     mlm_save, _ = mlm("lit")
-    data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
+    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
     with pytest.raises(AssertionError) as failed:
         fairseq_cli("train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion",
                     "sentence_prediction", "--arch", "lion_lit_tiny", "--num-classes", "2", "--init-token", "0",
@@ -310,7 +287,7 @@ def test_missing_restore_file_with_resets_is_refused(mlm, text_data_bin, tmp_pat
     """The README's fine-tuning command with a mistyped --restore-file: fairseq logged 'No existing
     checkpoint found' and fine-tuned a randomly initialised encoder; now it stops, naming the path."""
     mlm_save, _ = mlm("s")
-    data = _labelled_data(tmp_path, text_data_bin / "dict.txt")
+    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
     typo = mlm_save.parent / (mlm_save.name + "x") / "checkpoint_last.pt"
     with pytest.raises(AssertionError) as failed:
         fairseq_cli("train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion",
