@@ -483,7 +483,9 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
         if rows != built:
             return (f"{DICTIONARY_DIFFERS} ({key}: the checkpoint has {rows} rows, one per entry of the dictionary "
                     f"it was trained with, and the model {built}, from the data folder's): pass the data folder "
-                    "(data-bin) the checkpoint was trained on, whose dict*.txt it was built with")
+                    "(data-bin) the checkpoint was trained on, whose dict*.txt it was built with, or binarise this "
+                    "data with that dictionary (fairseq-preprocess --srcdict; the GLUE recipe's prepare.sh takes "
+                    "the pretraining data-bin)")
     return None
 
 
