@@ -10,14 +10,17 @@ fairseq functions so that their failures carry such a message (the original erro
 ``models.DistributedFairseqModel``, ``Trainer.__init__`` (``--bf16`` without a TPU),
 ``Trainer.load_checkpoint`` (whose own 'please ensure that the architectures match' would otherwise be the
 last line a user reads, and which starts from random weights where a ``--restore-file`` given with
-``--reset-*`` options does not exist, or resumes a run as another model), ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line) and
+``--reset-*`` options does not exist, or resumes a run as another model),
+``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line) and
 ``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm). Without
 ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
 intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
 truncated, which model and arch, what to pass).
 
 Checkpoints are read with torch's ``weights_only=True`` default; ``argparse.Namespace`` (the legacy
-``args`` of older fairseq checkpoints) is allowed for the duration of the call only, never globally.
+``args`` of older fairseq checkpoints) and numpy scalars (a best score) are allowed for the duration of the
+call only, never globally; likewise where fairseq's ``broadcast_object`` sends the checkpoint rank 0 read to
+the other ranks (``_wrap_broadcast_object``).
 torch before 2.5 has no such allowance (``torch.serialization.safe_globals``), and before 2.6 loads with
 ``weights_only=False`` by default: there checkpoints load as fairseq loads them, with torch's default.
 """
@@ -123,8 +126,8 @@ def _wrap_broadcast_object(original):
 
 
 def _safe_load(path: str) -> Dict[str, Any]:
-    """``torch.load`` of a checkpoint as fairseq loads it, allowing ``argparse.Namespace`` for this call
-    only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5)."""
+    """``torch.load`` of a checkpoint as fairseq loads it, allowing what ``_allowed_in_checkpoints`` allows for
+    this call only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5)."""
     weights_only = {"weights_only": True} if hasattr(torch.serialization, "safe_globals") else {}
     with _allowed_in_checkpoints():
         return torch.load(path, map_location="cpu", **weights_only)
@@ -452,6 +455,10 @@ def _facts(state_dict: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     }
 
 
+# the start of first_difference's answer where only the embeddings' rows differ: the data folder, not the model
+DICTIONARY_DIFFERS = "the dictionary"
+
+
 def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch.Tensor]) -> Optional[str]:
     """The first option in which a checkpoint's weights and a model's differ, said with what to pass:
     positions, variant, sizes, then the levers (None if the weights agree on all of them)."""
@@ -488,8 +495,6 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
                     "the pretraining data-bin)")
     return None
 
-
-DICTIONARY_DIFFERS = "the dictionary"
 
 
 def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], error: BaseException) -> str:

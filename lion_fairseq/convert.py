@@ -212,6 +212,7 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     target = classifier_target(target_of(arch, config), state, config)
     data = data or os.path.dirname(os.path.abspath(checkpoint))
     check_dictionaries(data, target, config, extra)
+
     def parsed(flags: List[str]) -> argparse.Namespace:
         return options.parse_args_and_arch(options.get_training_parser(), [
             data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch, *flags, *extra])

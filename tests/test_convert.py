@@ -50,7 +50,8 @@ def test_convert_a_fine_tuned_roberta_classifier(roberta, text_data_bin, tmp_pat
                 "sentence_prediction", "--criterion", "sentence_prediction", "--arch", "roberta_base", *SIZE,
                 "--num-classes", "2", "--max-positions", "32", "--init-token", "0", "--batch-size", "8",
                 "--restore-file", str(roberta), "--reset-optimizer", "--reset-dataloader", "--reset-meters",
-                "--max-update", "4", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(tmp_path / "cls"))
+                "--max-update", "4", "--disable-validation", "--no-epoch-checkpoints", "--save-dir",
+                str(tmp_path / "cls"))
     teacher = tmp_path / "cls" / "checkpoint_last.pt"
     out = tmp_path / "lion_cls.pt"
     assert main([str(teacher), str(out), "--arch", "lion_s_tiny", "--data", str(data)]) == 0
