@@ -566,11 +566,14 @@ SIZE_OPTIONS = [f"{stack}_{size}" for stack in ("encoder", "decoder")
 def trained_as_options(model_cfg: Any) -> Optional[str]:
     """A LION checkpoint's arch and sizes as the command line gives them (``--arch lion_s_tiny
     --encoder-layers 2 ...``), for a model built otherwise; None for other checkpoints."""
-    arch = getattr(model_cfg, "_name", None) if model_cfg is not None else None
+    if model_cfg is None:
+        return None
+    # a DictConfig or the dict a checkpoint file holds
+    get = model_cfg.get if hasattr(model_cfg, "get") else lambda key: getattr(model_cfg, key, None)
+    arch = get("_name")
     if not str(arch).startswith("lion"):
         return None
-    sizes = [f"--{key.replace('_', '-')} {getattr(model_cfg, key)}" for key in SIZE_OPTIONS
-             if getattr(model_cfg, key, None) is not None]
+    sizes = [f"--{key.replace('_', '-')} {get(key)}" for key in SIZE_OPTIONS if get(key) is not None]
     return " ".join([f"--arch {arch}", *sizes])
 
 
@@ -671,7 +674,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lion_fairseq.check_checkpoint",
                                      description="Explain a fairseq checkpoint: readable? which model? what to pass?")
     parser.add_argument("checkpoints", nargs="+")
+    parser.add_argument("--options", action="store_true",
+                        help="print only the options a LION checkpoint was trained as (--arch ... and its sizes), "
+                             "one line each; an empty line for another checkpoint (for scripts)")
     args = parser.parse_args(argv)
+    if args.options:
+        for path in args.checkpoints:
+            print(trained_as_options((_safe_load(path).get("cfg") or {}).get("model")) or "")
+        return 0
     bad = 0
     for path in args.checkpoints:
         text = explain(path)

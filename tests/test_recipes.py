@@ -136,8 +136,9 @@ def test_glue_prepare_layouts(glue_data, spm_data, tmp_path):
 
 def test_glue_finetune_from_pretrained(glue_data, mlm, tmp_path):
     ckpt, _ = mlm
+    # no ARCH: the recipe reads the arch and sizes the checkpoint was trained as (lion_s_tiny)
     out = run(["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path, "--num-workers", "0"],
-              ARCH="lion_s_tiny", MAX_UPDATE="4", BATCH_SIZE="8", LOG_INTERVAL="1")
+              MAX_UPDATE="4", BATCH_SIZE="8", LOG_INTERVAL="1")
     assert f"Loaded checkpoint {ckpt}" in out
     valid = records(out, "valid")
     assert valid and 0.0 <= float(valid[-1]["valid_accuracy"]) <= 100.0
@@ -356,6 +357,11 @@ def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, 
     assert option(args, "--max-update") == "30" and option(args, "--total-num-update") == "30"
     assert option(args, "--warmup-updates") == "1" and option(args, "--num-classes") == "2"
     assert option(args, "--best-checkpoint-metric") == "accuracy" and option(args, "--restore-file") == str(ckpt)
+    # the arch and sizes the checkpoint was trained as, unless ARCH says otherwise
+    assert option(args, "--arch") == "lion_s_tiny" and option(args, "--encoder-embed-dim") == "128"
+    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], ARCH="lion_s",
+                    PRECISION="fp32")
+    assert option(args, "--arch") == "lion_s" and "--encoder-embed-dim" not in args
     args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK="CoLA",
                     PRECISION="fp32")
     assert "--report-mcc" in args and option(args, "--best-checkpoint-metric") == "mcc"

@@ -3,7 +3,8 @@
 #   bash user_dir_examples/glue/finetune.sh TASK_DATA_BIN PRETRAINED_CHECKPOINT SAVE_DIR [extra fairseq-train options]
 # TASK_DATA_BIN is the output of prepare.sh; its preprocess.json gives the number of classes, whether
 # the task is a regression and the training size. Environment (defaults in brackets):
-#   ARCH [lion_s] (the pretrained checkpoint's)   TASK [from TASK_DATA_BIN's folder name, for the metric]
+#   ARCH [the pretrained checkpoint's, with its sizes; lion_s for another kind]
+#   TASK [from TASK_DATA_BIN's folder name, for the metric]
 #   LR [1e-5]   MAX_EPOCH [10]   BATCH_SIZE [32]   MAX_POSITIONS [128, as in pretraining]   WEIGHT_DECAY [0.1]
 #   MAX_UPDATE [MAX_EPOCH epochs]   WARMUP_UPDATES [6%]   NUM_CLASSES (only without preprocess.json)
 #   LION_FORM [chunk]   PRECISION [fp16 on GPU, fp32 on CPU]   SEED [1]
@@ -14,7 +15,13 @@ DATA=$1; CKPT=$2; SAVE=$3; shift 3
 [ -d "$DATA/input0" ] && [ -d "$DATA/label" ] || die "TASK_DATA_BIN $DATA lacks input0/ and label/: make it with prepare.sh"
 [ -f "$CKPT" ] || die "PRETRAINED_CHECKPOINT $CKPT not found"
 need fairseq-train
-ARCH=${ARCH:-lion_s}
+if [ -n "${ARCH:-}" ]; then
+  ARCH_OPTS=(--arch "$ARCH")
+else  # the arch and sizes the checkpoint was trained as (lion_s for a checkpoint of another kind)
+  read -r -a ARCH_OPTS < <(python -m lion_fairseq.check_checkpoint --options "$CKPT") || true
+  [ ${#ARCH_OPTS[@]} -gt 0 ] || ARCH_OPTS=(--arch lion_s)
+  ARCH=${ARCH_OPTS[1]}
+fi
 encoder_arch "$ARCH"
 
 BATCH_SIZE=${BATCH_SIZE:-32}
@@ -55,7 +62,7 @@ fi
 # pairs instead of dropping them. --reset-*: start a new run from the pretrained weights only.
 run fairseq-train "$DATA" --user-dir "$USER_DIR" --restore-file "$CKPT" \
   --reset-optimizer --reset-dataloader --reset-meters \
-  --task sentence_prediction --criterion sentence_prediction --arch "$ARCH" --lion-form "${LION_FORM:-chunk}" \
+  --task sentence_prediction --criterion sentence_prediction "${ARCH_OPTS[@]}" --lion-form "${LION_FORM:-chunk}" \
   --num-classes "$NUM_CLASSES" --init-token 0 --separator-token 2 \
   --max-positions "${MAX_POSITIONS:-128}" --shorten-method truncate \
   --batch-size "$BATCH_SIZE" --required-batch-size-multiple 1 \
