@@ -139,20 +139,22 @@ FIXED_BY_TRAINING = ("lion_variant", "lion_feature_map", "lion_normalize", "lion
                      "lion_gate_temperature", "lion_output_gate", "lion_short_conv", "lion_cross_attention")
 
 
+def _same_option(a: Any, b: Any) -> bool:
+    """Two values of an option alike: 1 and 1.0, True and 'True' (an override's spelling, a config's type)."""
+    return a == b or str(a) == str(b)
+
+
 def changed_model_message(model_cfg: Any, fixed: Dict[str, Any]) -> Optional[str]:
     """What is wrong with overrides of ``FIXED_BY_TRAINING`` options (``fixed``) whose values differ from
     what a model built from the checkpoint's model config runs with; None where each equals it."""
     from .models.lion_options import built_value
-
-    def same(trained: Any, value: Any) -> bool:  # 1 and 1.0, True and 'True' alike
-        return trained == value or str(trained) == str(value)
 
     def shown(value: Any) -> str:  # None: a translation model's fairseq positions
         return "the arch's default" if value is None else repr(value)
 
     trained = {key: built_value(model_cfg, key) for key in fixed}
     changed = [f"{key}={value!r} (trained with {shown(trained[key])})" for key, value in fixed.items()
-               if not same(trained[key], value)]
+               if not _same_option(trained[key], value)]
     if not changed:
         return None
     return (f"--model-overrides (or the hub's keyword arguments) change the model the weights were trained as: "
@@ -187,7 +189,7 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
     changes = []
     for key in FIXED_BY_TRAINING:
         was, now = built_value(trained, key), built_value(building, key)
-        if was != now and str(was) != str(now):
+        if not _same_option(was, now):
             changes.append(f"{option_text(key, was)} -> {option_text(key, now)}")
     return changes
 
@@ -559,13 +561,11 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
             + (f"pick an arch of {fits[0]}" if fits else "start from a checkpoint of that kind"))
 
 
-SIZE_OPTIONS = [f"{stack}_{size}" for stack in ("encoder", "decoder")
-                for size in ("layers", "embed_dim", "ffn_embed_dim", "attention_heads")]
-
-
 def trained_as_options(model_cfg: Any) -> Optional[str]:
     """A LION checkpoint's arch and sizes as the command line gives them (``--arch lion_s_tiny
     --encoder-layers 2 ...``), for a model built otherwise; None for other checkpoints."""
+    from .convert import _sizes
+
     if model_cfg is None:
         return None
     # a DictConfig or the dict a checkpoint file holds
@@ -573,7 +573,8 @@ def trained_as_options(model_cfg: Any) -> Optional[str]:
     arch = get("_name")
     if not str(arch).startswith("lion"):
         return None
-    sizes = [f"--{key.replace('_', '-')} {get(key)}" for key in SIZE_OPTIONS if get(key) is not None]
+    sizes = [f"{options[0]} {get(key)}" for key, options in _sizes("encoder", "decoder").items()
+             if get(key) is not None]
     return " ".join([f"--arch {arch}", *sizes])
 
 
