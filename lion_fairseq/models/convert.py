@@ -182,9 +182,10 @@ def is_softmax_transformer(model: nn.Module, state_dict: Dict[str, Tensor], pref
 
 
 def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str = "",
-                    layout: Layout = ROBERTA) -> None:
+                    layout: Layout = ROBERTA, unseen: Optional[str] = None) -> None:
     """Make a softmax model's ``state_dict`` (keys under ``prefix``) the state dict of the LION ``model``,
-    in place, by the rules of this module's docstring; logs what it dropped and added."""
+    in place, by the rules of this module's docstring; logs what it dropped and added, and ``unseen``: the
+    structure the weights cannot show (heads, norms, activation), which the model took from its options."""
     _split_in_proj(state_dict)
     own = {prefix + k: v for k, v in model.state_dict().items()}
     _check_depth(state_dict, own, prefix, layout)
@@ -198,6 +199,9 @@ def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str
     if added:
         logger.info(f"lion: added what LION has and the checkpoint lacks (gates at sigmoid({GATE_LOGIT:g}), the "
                     f"rest as initialised): {_summary(added)}")
+    if unseen:  # it must be the teacher's
+        logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where they "
+                    f"differ): {unseen}")
 
 
 def _check_depth(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> None:

@@ -279,9 +279,7 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
         super().upgrade_state_dict_named(state_dict, name)
         prefix = name + "." if name else ""
         if is_softmax_roberta(state_dict, prefix):
-            softmax_to_lion(self, state_dict, prefix)
-            logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where "
-                        f"they differ): {self.encoder.sentence_encoder.unseen}")
+            softmax_to_lion(self, state_dict, prefix, unseen=self.encoder.sentence_encoder.unseen)
 
     @classmethod
     def add_args(cls, parser) -> None:

@@ -221,12 +221,10 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
         if not is_softmax_lm(state_dict, prefix):
             return
         learned = prefix + "decoder.embed_positions.weight" in state_dict
-        softmax_to_lion(self, state_dict, prefix, LANGUAGE_MODEL)
+        softmax_to_lion(self, state_dict, prefix, LANGUAGE_MODEL, unseen=self.decoder.unseen)
         if not learned and self.decoder.embed_positions is None:
             logger.info("lion: the checkpoint has no learned positions: its sinusoidal ones (fairseq's default), "
                         "if any, have no weights and are dropped; this LION model has none")
-        logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where they "
-                    f"differ): {self.decoder.unseen}")
 
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionLanguageModel":

@@ -15,7 +15,6 @@ Layer and module names are fairseq's, so a softmax ``transformer`` checkpoint st
 (``upgrade_state_dict_named``, ``models/convert.py``): every tensor loads as it is, cross-attention's
 into either kind, and LION-D/S gates start by the rule."""
 import argparse
-import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional
 
@@ -36,8 +35,6 @@ from .convert import TRANSLATION, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
                            set_unset)
-
-logger = logging.getLogger(__name__)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
@@ -138,9 +135,7 @@ class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
         super().upgrade_state_dict_named(state_dict, name)
         prefix = name + "." if name else ""
         if is_softmax_transformer(self, state_dict, prefix):
-            softmax_to_lion(self, state_dict, prefix, TRANSLATION)
-            logger.info(f"lion: not in the weights, so taken from this model's options (pass the teacher's where "
-                        f"they differ): {self.unseen()}")
+            softmax_to_lion(self, state_dict, prefix, TRANSLATION, unseen=self.unseen())
 
     def unseen(self) -> str:
         """The structure that a checkpoint's weights cannot show (heads, norms' places, activation, sinusoidal
