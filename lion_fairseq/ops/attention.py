@@ -2,15 +2,16 @@
 import functools
 import logging
 import numbers
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .backend import BACKENDS, chunk_backend
 from .chunk import chunk_attention
-from .float32 import float32_math
+from .float32 import accumulation_dtype, float32_math
 from .gates import LOG_GATE_MIN
+from .padding import bool_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
@@ -44,25 +45,6 @@ def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: tor
     while a.dim() < 3:
         a = a.unsqueeze(0)
     return a.expand(a.shape[0], a.shape[1], L) if expand else a
-
-
-def bool_padding_mask(key_padding_mask: Tensor) -> Tensor:
-    """A key padding mask as bool, True at padding: an integer one (older fairseq's byte masks) is nonzero
-    there. A float mask may be additive (-inf at padding) and is refused."""
-    if key_padding_mask.dtype == torch.bool:
-        return key_padding_mask
-    if key_padding_mask.is_floating_point() or key_padding_mask.is_complex():
-        raise ValueError(f"key_padding_mask must be a bool tensor, True at padding; got {key_padding_mask.dtype}")
-    return key_padding_mask != 0
-
-
-def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """Zero the keys and values at padding (``key_padding_mask`` ``(B, L)``, True there): they then add
-    nothing to any state or score. k: ``(B, H, L, Dk)``, v: ``(B, H, L, Dv)``."""
-    if key_padding_mask is None:
-        return k, v
-    pad = key_padding_mask[:, None, :, None]
-    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
 def is_chunk_size(chunk_size: object) -> bool:
@@ -127,7 +109,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None or one of {BACKENDS}; got {backend!r}")
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(v)
     out_dtype = v.dtype
     if 0 in (B, H, L, q.shape[-1], v.shape[-1]):  # nothing to attend to, or nothing to read: y = 0
         return v * 0

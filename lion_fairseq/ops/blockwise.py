@@ -12,12 +12,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .attention import lion_attention, mask_padded_keys
-from .float32 import float32_math
+from .attention import lion_attention
+from .float32 import accumulation_dtype, float32_math
 from .gates import LOG_GATE_MIN
-from .recurrent import causal_state
-
-State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
+from .padding import mask_padded_keys
+from .recurrent import State, causal_state
 
 
 def _carry(old: Optional[State], log_a: Optional[Tensor], new: State) -> State:
@@ -80,7 +79,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor]
     ``form`` computes. Returns ``(B, H, n, Dv)`` in v's dtype, equal to the same rows of ``lion_attention``
     over the whole sequence."""
     B, H, n, _ = q.shape
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(v)
     f, b = _gates(log_a_fwd, q), _gates(log_a_bwd, q)
     qd, vd = q.to(dtype), v.to(dtype)
     # the ones column makes the block's own normaliser come out beside its numerator

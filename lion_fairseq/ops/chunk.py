@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .float32 import accumulation_dtype
 from .workspace import workspace
 
 # Tokens per block of chunks. On a CPU, the block's C x C matrices (4 * BLOCK_TOKENS * C bytes each) stay in
@@ -252,7 +253,7 @@ class _ChunkAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, log_f, log_b, N, bidirectional, normalize, eps):
         M, C, Dk = q.shape
         G = M // N
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # outputs, states, decays, normalisers
+        acc = accumulation_dtype(q)  # outputs, states, decays, normalisers
         grid = _grid(log_f, log_b, G, N, C, bidirectional, acc, q.device)
         train = any(ctx.needs_input_grad[:5])
         if train and q.dtype != acc:

@@ -7,6 +7,7 @@ import functools
 from typing import Callable, TypeVar
 
 import torch
+from torch import Tensor
 
 F = TypeVar("F", bound=Callable)
 
@@ -20,3 +21,9 @@ def float32_math(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def accumulation_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the ops accumulate in for an input like ``x``: float64 for float64 (the references),
+    float32 for every other dtype."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -1,14 +1,12 @@
 """Non-causal linear attention of queries over a fixed memory (cross-attention over an encoder's output):
 the memory's state ``(S, z) = (sum_j k_j v_j^T, sum_j k_j)`` is computed once, and each query reads it, so
 a query costs O(Dk * Dv) whatever the memory's length."""
-from typing import Optional, Tuple
+from typing import Optional
 
 from torch import Tensor
 
 from .float32 import float32_math
-from .recurrent import causal_state
-
-State = Tuple[Tensor, Tensor]
+from .recurrent import State, causal_state
 
 
 def memory_state(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> State:

@@ -4,10 +4,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .float32 import float32_math
+from .float32 import accumulation_dtype, float32_math
 from .gates import LOG_GATE_MIN
+from .padding import mask_padded_keys
 
-State = Tuple[Tensor, Tensor]
+State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
 
 
 def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool, reverse: bool) -> Tensor:
@@ -67,7 +68,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
         raise ValueError(f"q_t and k_t must both be (B, H, Dk); got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}")
     if v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
         raise ValueError(f"v_t must be (B, H, Dv) with the B, H of q_t; got {tuple(v_t.shape)}")
-    dtype = torch.float64 if v_t.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(v_t)
     q, k, v = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
     kv = k[..., :, None] * v[..., None, :]
     if state is None:
@@ -97,12 +98,9 @@ def causal_state(k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
     key_padding_mask: ``(B, L)`` bool; padded tokens are skipped (their keys and gates), so a left- or
     right-padded prompt leaves the state of its real tokens. Returns S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32.
     """
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(v)
     B, H, L, _ = k.shape
-    k, v = k.to(dtype), v.to(dtype)
-    if key_padding_mask is not None:
-        pad = key_padding_mask[:, None, :, None]
-        k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+    k, v = mask_padded_keys(k.to(dtype), v.to(dtype), key_padding_mask)
     if log_a_fwd is not None:
         # exp(sum_{u>j} log f_u) from a float64 suffix sum: every argument <= 0, exact near the end;
         # floored as lion_attention floors gates (a gate of 0 would give -inf - -inf = nan)
