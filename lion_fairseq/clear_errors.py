@@ -712,13 +712,14 @@ def embed_tokens_checked(embed: torch.nn.Embedding, tokens: torch.Tensor) -> tor
 
 
 def check_learned_positions(longest: int, max_positions: int,
-                            shorter: str = "shorter inputs (--tokens-per-sample, --max-positions, --truncate-sequence)"
-                            ) -> None:
+                            shorter: str = "shorter inputs (--tokens-per-sample, --max-positions, --truncate-sequence)",
+                            set_by: str = "--max-positions / --tokens-per-sample") -> None:
     """Learned absolute positions (LION-LIT) stop at the training length; say so, and what to pass
-    (``shorter``: how to shorten the input where it comes from)."""
+    (``shorter``: how to shorten the input where it comes from; ``set_by``: the training options that set
+    the number of positions)."""
     if longest > max_positions:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the {max_positions} learned positions of this model "
-            "(--lion-positions learned, LION-LIT's default; --max-positions / --tokens-per-sample at training): "
+            f"(--lion-positions learned, LION-LIT's default; {set_by} at training): "
             f"use {shorter}, or train with --lion-positions none, or LION-D / LION-S, which have no positions "
             "and no length limit")

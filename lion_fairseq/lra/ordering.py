@@ -12,7 +12,6 @@ row-major index of the p-th pixel visited) and ``inverse(perm)`` maps it back: `
 LION's "natural" image models (LION-D/S with two scans) use ``row_snake`` and ``col_snake`` together:
 see :mod:`lion_fairseq.modules.two_scan_attention`.
 """
-from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -57,8 +56,3 @@ def inverse(perm: Tensor) -> Tensor:
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
 
-
-def two_scan(height: int, width: int) -> Dict[str, Tuple[Tensor, Tensor]]:
-    """The paper's two scans as ``{name: (perm, inverse)}``: ``row_snake`` and ``col_snake``."""
-    return {name: (ordering(name, height, width), inverse(ordering(name, height, width)))
-            for name in ("row_snake", "col_snake")}

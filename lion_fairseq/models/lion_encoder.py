@@ -8,7 +8,6 @@ attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retne
 ``weights_only`` default, and ``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form.
 """
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -29,14 +28,10 @@ from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_token
 from ..modules.encoder_layer import LionEncoderLayer
 from .convert import is_softmax_roberta, softmax_to_lion
 from .hub import bpe_from_data, load_pretrained
-from .lion_options import (LionOptions, arch_filling, boolean_optional, checkpointed, fix_lion_flags,
-                           lion_attention_kwargs, lion_positions, set_unset, set_unset_from)
+from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boolean_optional, checkpointed,
+                           fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset, set_unset_from)
 
-logger = logging.getLogger(__name__)
 
-# max_positions() without position embeddings: LION-D/S encode any length; fairseq takes the min with
-# the task's limit, so this only has to be larger than anything real
-UNBOUNDED_POSITIONS = 1_000_000_000
 
 
 @dataclass
@@ -260,12 +255,10 @@ class LionHubInterface(RobertaHubInterface):
 
 @register_model("lion_roberta", dataclass=LionEncoderConfig)
 class LionRobertaModel(ClearLoadErrors, RobertaModel):
-    """RoBERTa with LION attention: ``(B, T)`` tokens -> LM logits, features or classification logits."""
+    """RoBERTa with LION attention: ``(B, T)`` tokens -> LM logits, features or classification logits.
 
-    def __init__(self, cfg: Any, encoder: LionRobertaEncoder):
-        # RobertaModel.__init__ sets self.args, applies BERT's initialisation (normal(0, 0.02) on every
-        # Linear and Embedding, LION's projections and LION-S gate included) and makes the head dict
-        super().__init__(cfg, encoder)
+    RoBERTa's ``__init__`` applies BERT's initialisation (normal(0, 0.02) on every Linear and Embedding),
+    LION's projections and LION-S's gate included."""
 
     @classmethod
     def hub_models(cls) -> Dict[str, str]:

@@ -26,20 +26,16 @@ from fairseq.modules import FairseqDropout, LayerNorm
 from omegaconf import II
 from torch import Tensor
 
-from ..clear_errors import ClearLoadErrors, embed_tokens_checked
+from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
+from ..modules.lion_attention import IncrementalState
 from .convert import LANGUAGE_MODEL, is_softmax_lm, softmax_to_lion
 from .hub import ContinuationHubInterface, DataBpeHub
-from .lion_options import (LionOptions, boolean_optional, checkpointed, fix_lion_flags, lion_attention_kwargs,
-                           lion_positions, set_unset)
+from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, boolean_optional, checkpointed, fix_lion_flags,
+                           lion_attention_kwargs, lion_positions, set_unset)
 
 logger = logging.getLogger(__name__)
 
-# Without learned positions nothing bounds the context: report a length no data set reaches, so fairseq
-# neither truncates nor filters sequences (eval-lm, generation) for nothing.
-UNBOUNDED_POSITIONS = 10 ** 9
-
-IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
 @dataclass
@@ -176,11 +172,8 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         real = (~pad).long()
         positions = (seen[:, None] + real.cumsum(1)) * real + self.padding_idx
         longest = int(positions.max()) - self.padding_idx if positions.numel() else 0
-        if longest > self.max_target_positions:
-            raise ValueError(
-                f"a sequence of {longest} tokens exceeds the {self.max_target_positions} learned positions of "
-                "this model (--lion-positions learned, --max-target-positions / --tokens-per-sample at "
-                "training): use shorter inputs, or train with --lion-positions none (no length limit)")
+        check_learned_positions(longest, self.max_target_positions, shorter="shorter inputs",
+                                set_by="--max-target-positions / --tokens-per-sample")
         return positions
 
     def output_layer(self, features: Tensor) -> Tensor:

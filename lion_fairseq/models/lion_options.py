@@ -19,6 +19,9 @@ LION_POSITION_CHOICES = ChoiceEnum(["learned", "none"])
 LION_FEATURE_MAP_CHOICES = ChoiceEnum(list(FEATURE_MAPS))
 LION_VARIANT_CHOICES = ChoiceEnum(list(VARIANTS))
 DEFAULT_POSITIONS = {"lit": "learned", "d": "none", "s": "none"}
+# max_positions() without position embeddings: nothing bounds the length, so report one no data set
+# reaches; fairseq takes the min with the task's limit, and neither truncates nor filters for nothing
+UNBOUNDED_POSITIONS = 10 ** 9
 
 
 @dataclass

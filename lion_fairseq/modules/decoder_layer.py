@@ -8,7 +8,7 @@ from fairseq import utils
 from fairseq.modules import FairseqDropout, LayerNorm
 from torch import Tensor
 
-from .lion_attention import LionAttention
+from .lion_attention import IncrementalState, LionAttention
 
 
 class LionDecoderLayer(nn.Module):
@@ -37,7 +37,7 @@ class LionDecoderLayer(nn.Module):
         self.activation_dropout_module = FairseqDropout(activation_dropout, module_name=self.__class__.__name__)
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
-                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None) -> Tensor:
+                incremental_state: Optional[IncrementalState] = None) -> Tensor:
         """x: ``(T, B, C)``; padding_mask: ``(B, T)`` bool, True at padding (or None). Returns ``(T, B, C)``.
         With ``incremental_state`` the attention prefills (first call) or steps its recurrent state."""
         residual = x

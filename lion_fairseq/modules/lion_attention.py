@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..ops import (FORMS, block_attention, causal_state, is_chunk_size, lion_attention, lion_step, state_after,
                    state_before)
-from ..ops.attention import bool_padding_mask
+from ..ops.padding import bool_padding_mask
 from ..ops.float32 import float32_math
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
 
@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 VARIANTS = ("lit", "d", "s")
 DEFAULT_FEATURE_MAP = {"lit": "elu", "d": "silu_norm", "s": "silu_norm"}
+# fairseq's incremental state: {module key: {name: tensor}}
+IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
 def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: str, normalize: bool,
@@ -77,6 +79,12 @@ def decayed(S: Tensor, z: Tensor, log_gate: Tensor) -> Tuple[Tensor, Tensor]:
     return f[..., None, None] * S, f[..., None] * z
 
 
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    """``(T, B, H * D)`` -> ``(B, H, T, D)``, a view of fairseq's layout in the operator's."""
+    T, B, C = x.shape
+    return x.view(T, B, num_heads, C // num_heads).permute(1, 2, 0, 3)
+
+
 @with_incremental_state
 class LionAttention(nn.Module):
     """LION multi-head attention. ``forward(x)`` maps ``x`` ``(T, B, C)`` to ``(T, B, C)``.
@@ -99,7 +107,7 @@ class LionAttention(nn.Module):
             raise ValueError(f"eps must be > 0 with the row normaliser (normalize=True); got {eps!r}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.variant, self.form, self.chunk_size = variant, form, chunk_size
-        self.feature_map_name, self.phi = feature_map, FEATURE_MAPS[feature_map]
+        self.phi = FEATURE_MAPS[feature_map]
         self.normalize, self.causal, self.eps = normalize, causal, eps
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -238,11 +246,10 @@ class LionAttention(nn.Module):
         return ext.gather(0, idx[..., None].expand(-1, -1, ext.shape[-1]))
 
     def _heads(self, x: Tensor) -> Tensor:
-        T, B, _ = x.shape
-        return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
+        return split_heads(x, self.num_heads)
 
     def forward(self, x: Tensor, key_padding_mask: Optional[Tensor] = None,
-                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None) -> Tensor:
+                incremental_state: Optional[IncrementalState] = None) -> Tensor:
         """x: ``(T, B, C)``; key_padding_mask: ``(B, T)`` bool, True at padding. Returns ``(T, B, C)``.
 
         With ``incremental_state`` (causal decoding) the module keeps only ``S`` ``(B, H, D, D)`` and

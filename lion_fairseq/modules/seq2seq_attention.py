@@ -13,9 +13,8 @@ from torch import Tensor
 
 from ..ops import memory_state, read_memory
 from .feature_maps import FEATURE_MAPS
-from .lion_attention import DEFAULT_FEATURE_MAP, LionAttention, check_lion_options, linear_input
-
-IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
+from .lion_attention import (DEFAULT_FEATURE_MAP, IncrementalState, LionAttention, check_lion_options, linear_input,
+                             split_heads)
 
 
 class LionSelfAttention(LionAttention):
@@ -64,8 +63,7 @@ class LinearCrossAttention(nn.Module):
         nn.init.xavier_uniform_(self.out_proj.weight)
 
     def _heads(self, x: Tensor) -> Tensor:
-        T, B, _ = x.shape
-        return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
+        return split_heads(x, self.num_heads)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 incremental_state: Optional[IncrementalState] = None, static_kv: bool = True,

@@ -46,7 +46,6 @@ class LRATask(FairseqTask):
     def __init__(self, cfg: LRAConfig, dictionary: Dictionary, meta: Dict[str, Any]):
         super().__init__(cfg)
         self.dictionary = dictionary
-        self.meta = meta
         self.num_classes = cfg.num_classes or meta["num_classes"]
         self._max_positions = cfg.max_positions or meta["max_length"]
         size = meta.get("image_size")
