@@ -1,4 +1,4 @@
-"""The side-by-side benchmark (SPEC section 6), in one run on the same inputs:
+"""The side-by-side benchmark, in one run on the same inputs:
 
 1. this machine's float32 matmul rate, the ceiling on CPU;
 2. the chunk form's chunk size: the operator (B=1, H=12, D=64, per-token gates, bidirectional) at
@@ -9,7 +9,7 @@
    memory, L = 128 ... 16384, batch 1;
 5. LM decoding time per token against context length, ``lion_s_lm`` against ``transformer_lm``
    (``benchmark/decode.py``), on one thread (a batch-1 step is many small ops) and on ``--threads``;
-6. thread scaling (SPEC section 6): softmax and each LION layer's chunk form, forward+backward at
+6. thread scaling: softmax and each LION layer's chunk form, forward+backward at
    L = 8192 and 16384, again on each of ``--scaling-threads`` (1 by default), beside the main run's;
 7. the defaults these numbers choose for ``--lion-form`` and ``--lion-chunk-size``.
 
@@ -242,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                "run's):", "", *scaling_table(scaling, scaling_lengths), ""]
     for threads, d in decodes.items():
         md += [f"**Decoding, {threads_name(threads)}** (from `benchmark/decode.py`):", "", d["md"]]
-    md += ["**Targets** (issue 6):", "", *targets(results, flops, peak, decode), ""]
+    md += ["**Targets**:", "", *targets(results, flops, peak, decode), ""]
     text = "\n".join(md) + "\n"
     (args.out / "benchmark.md").write_text(text)
     (args.out / "benchmark.json").write_text(json.dumps(

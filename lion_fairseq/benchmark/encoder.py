@@ -17,7 +17,7 @@ torch.bfloat16)``, what fairseq's ``--bf16`` does to a model: every projection a
 bfloat16; the LION operator computes in float32), against
 ``roberta_base`` (fused softmax attention) up to ``--softmax-max``; then the chunk form and ``roberta_base``
 again on each of ``--scaling-threads`` (1 by default), up to ``--softmax-max``, for their thread scaling
-(SPEC section 6). Writes ``long.md``, ``long.json`` and ``long.png``.
+(a form fast on one thread that does not scale loses on a server). Writes ``long.md``, ``long.json`` and ``long.png``.
 
 Every (model, measurement, L) runs in a fresh process, so that the peak resident memory it reports (the
 rise of ``ru_maxrss`` over the built model and its inputs) is its own. Besides wall-clock tokens/s it

@@ -4,12 +4,13 @@
     python -m lion_fairseq.benchmark.quality mlm        # masked LM: about 15 min
     python -m lion_fairseq.benchmark.quality recall     # multi-query associative recall, a known answer: about 20 min
 
-``lm``: ``transformer_lm`` against ``lion_s_lm_tiny`` (the paper's LION-S) and ``lion_s_lm_plus_tiny``
-(LION-S with the levers of issue 14), all 2 layers x 128, 2 heads, FFN 512, embeddings 128 wide, on the
-demo's corpus (Python's own help topics, ``lion_fairseq.demo.corpus``, sentencepiece vocabulary of 4000,
-``python -m preprocess.text``): ``--updates`` updates of 16 x 128 tokens, Adam at lr 1e-3, inverse_sqrt
-with 60 warm-up updates, dropout 0.1, through ``fairseq-train``; the best checkpoint's test loss (bits per
-token) through ``fairseq-eval-lm`` at ``--tokens-per-sample`` 128 (the training length) and 512 (4x).
+``lm``: ``transformer_lm`` against ``lion_s_lm_tiny`` (the paper's LION-S) and ``lion_s_lm_plus_tiny`` (LION-S
+with the levers: gate temperature, output gate, short convolution), all 2 layers x 128, 2 heads, FFN 512,
+embeddings 128 wide, on the demo's corpus (Python's own help topics, ``lion_fairseq.demo.corpus``,
+sentencepiece vocabulary of 4000, ``python -m preprocess.text``): ``--updates`` updates of 16 x 128 tokens,
+Adam at lr 1e-3, inverse_sqrt with 60 warm-up updates, dropout 0.1, through ``fairseq-train``; the best
+checkpoint's test loss (bits per token) through ``fairseq-eval-lm`` at ``--tokens-per-sample`` 128 (the
+training length) and 512 (4x).
 
 ``mlm``: ``roberta`` at the same tiny size against ``lion_s_tiny`` (and it with the encoder's levers:
 a centred convolution of 3 and the output gate), the best validation loss of ``fairseq-train --task

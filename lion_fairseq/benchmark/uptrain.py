@@ -1,4 +1,4 @@
-"""Starting LION from a trained softmax model, measured at CPU scale (issue 27):
+"""Starting LION from a trained softmax model, measured at CPU scale:
 
     python -m lion_fairseq.benchmark.uptrain               # 3 seeds: 32 minutes on 2 shared cores
 

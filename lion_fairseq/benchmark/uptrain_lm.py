@@ -1,4 +1,4 @@
-"""Starting a LION language model from a trained ``transformer_lm``, measured at CPU scale (issue 27):
+"""Starting a LION language model from a trained ``transformer_lm``, measured at CPU scale:
 
     python -m lion_fairseq.benchmark.uptrain_lm          # 3 seeds: about 15 minutes on 2 cores
 

@@ -320,5 +320,5 @@ def lion_roberta_base(args: Any) -> None:
 for _prefix, _variant in VARIANT_OF_ARCH.items():
     for _suffix, _size in SIZES.items():
         if _prefix == "lion_retnet" and _suffix:
-            continue  # lion_retnet is an alias of the base-size lion_d only (SPEC section 4)
+            continue  # lion_retnet is the paper's other name for the base-size lion_d only
         register_model_architecture("lion_roberta", _prefix + _suffix)(arch_filling(_variant, _size, lion_roberta_base))

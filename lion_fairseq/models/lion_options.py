@@ -42,7 +42,7 @@ class LionOptions(FairseqDataclass):
     lion_norm_after: bool = field(default=False, metadata={"help": "LayerNorm over each head's output after attention"})
     lion_positions: Optional[LION_POSITION_CHOICES] = field(
         default=None, metadata={"help": "learned absolute positions or none (default: learned for lit, none for d and s)"})
-    # the levers of issue 14 (gated linear attention's additions); None: the arch decides, which for the
+    # the levers (gated linear attention's additions); None: the arch decides, which for the
     # archs named after the paper's models is the paper's model (1, off, 0)
     lion_gate_temperature: Optional[float] = field(
         default=None, metadata={"help": "log-gate = logsigmoid(logit) / this (GLA's tau; > 1 pulls the decays "

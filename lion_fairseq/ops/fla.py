@@ -149,7 +149,7 @@ def _to_fla_layout(x: Tensor) -> Tensor:
 
 def fla_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
                   causal: bool) -> Tensor:
-    """``o = ((q k^T) * M) v`` with LION's mask ``M`` (SPEC section 1), both directions on fla's kernels.
+    """``o = ((q k^T) * M) v`` with LION's mask ``M`` (``lion_attention``'s), both directions on fla's kernels.
 
     q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)`` (the normaliser as its last column if wanted), all in one
     dtype of ``FLA_DTYPES`` (``lion_attention`` passes float32, see the module's docstring); log-gates

@@ -994,7 +994,7 @@ def cuts_into_segments(q: Tensor, v: Tensor, chunk_size: int = 64) -> bool:
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
                      causal: bool, normalize: bool, key_padding_mask: Optional[Tensor], eps: float,
                      chunk_size: int = 64, segment_chunks: Optional[int] = None) -> Tensor:
-    """LION attention (SPEC section 1) in the fused kernel. q, k ``(B, H, L, Dk)``, v ``(B, H, L, Dv)``, any
+    """``lion_attention``'s operator in the fused kernel. q, k ``(B, H, L, Dk)``, v ``(B, H, L, Dv)``, any
     strides, one dtype of ``DTYPES``; log-gates float32 ``(b, h, l)`` with b in {1, B}, h in {1, H}, l in
     {1, L} (l = 1: one gate per head) or None; ``key_padding_mask`` ``(B, L)`` bool. Returns
     ``(B, H, L, Dv)`` in v's dtype; differentiable in q, k, v and the gates. ``chunk_size`` is rounded to a
