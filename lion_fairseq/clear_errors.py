@@ -32,7 +32,6 @@ import logging
 import os
 import pickle
 import re
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -125,7 +124,7 @@ def _wrap_broadcast_object(original):
     return broadcast_object
 
 
-def _safe_load(path: str) -> Dict[str, Any]:
+def load_checkpoint_file(path: str) -> Dict[str, Any]:
     """``torch.load`` of a checkpoint as fairseq loads it, allowing what ``_allowed_in_checkpoints`` allows for
     this call only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5)."""
     weights_only = {"weights_only": True} if hasattr(torch.serialization, "safe_globals") else {}
@@ -547,7 +546,7 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
     from .convert import ARCHS, TARGETS, teacher_config, trained_model
 
     try:
-        arch, theirs = trained_model(teacher_config(_safe_load(filename)))
+        arch, theirs = trained_model(teacher_config(load_checkpoint_file(filename)))
     except Exception:
         return None
     ours = ARCH_MODEL_NAME_REGISTRY.get(getattr(model_cfg, "_name", None))
@@ -638,61 +637,6 @@ class ClearLoadErrors:
             return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
         except RuntimeError as e:
             raise RuntimeError(load_error_message(self, state_dict, e)) from e
-
-
-# ---- diagnosis of a checkpoint (works without importing fairseq models) -------------------------------
-
-def explain(path: str) -> str:
-    """One paragraph on a checkpoint: readable or not, which model/arch, and what command-line to use."""
-    if not os.path.isfile(path):
-        return f"{path}: no such file"
-    try:
-        state = _safe_load(path)
-    except Exception as e:  # noqa: BLE001 - any failure to read is the diagnosis
-        if "Weights only load failed" in str(e):
-            return refused_object_message(path, e)
-        return unreadable_checkpoint_message(path, e)
-    cfg = state.get("cfg") or {}
-    model_cfg = cfg.get("model") if hasattr(cfg, "get") else None
-    name = None
-    if model_cfg is not None:
-        name = model_cfg.get("_name") if hasattr(model_cfg, "get") else None
-    if name is None and state.get("args") is not None:
-        name = getattr(state["args"], "arch", None)
-    task = None
-    if hasattr(cfg, "get") and cfg.get("task") is not None:
-        task = cfg["task"].get("_name")
-    updates = (state.get("optimizer_history") or [{}])[-1].get("num_updates")
-    where = f"{path}: model/arch {name!r}, task {task!r}, {updates} updates, {describe_weights(state.get('model', {}))}."
-    if name and str(name).startswith("lion"):
-        return (where + f" It was trained with this plugin: every fairseq command that reads it needs "
-                f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "
-                "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
-    return where
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lion_fairseq.check_checkpoint",
-                                     description="Explain a fairseq checkpoint: readable? which model? what to pass?")
-    parser.add_argument("checkpoints", nargs="+")
-    parser.add_argument("--options", action="store_true",
-                        help="print only the options a LION checkpoint was trained as (--arch ... and its sizes), "
-                             "one line each; an empty line for another checkpoint (for scripts)")
-    args = parser.parse_args(argv)
-    if args.options:
-        for path in args.checkpoints:
-            print(trained_as_options((_safe_load(path).get("cfg") or {}).get("model")) or "")
-        return 0
-    bad = 0
-    for path in args.checkpoints:
-        text = explain(path)
-        bad += text.startswith(("cannot read", "cannot load")) or text.endswith("no such file")
-        print(text)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ---- data that does not fit the model -------------------------------------------------------------------

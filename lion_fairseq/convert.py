@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .clear_errors import PACKAGE_DIR, _safe_load
+from .clear_errors import PACKAGE_DIR, load_checkpoint_file
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise FileNotFoundError(f"the output's folder {os.path.dirname(os.path.abspath(out))} does not exist: "
                                 "create it (mkdir -p) or pass a path in a folder that exists")
-    state = _safe_load(checkpoint)
+    state = load_checkpoint_file(checkpoint)
     config = teacher_config(state)
     target = classifier_target(target_of(arch, config), state, config)
     data = data or os.path.dirname(os.path.abspath(checkpoint))

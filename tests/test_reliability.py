@@ -22,7 +22,7 @@ import torch
 
 import lion_fairseq  # noqa: F401  (registers the models and installs the clear errors, as --user-dir does)
 from conftest import ROOT, USER_DIR, build_model as build
-from lion_fairseq import clear_errors
+from lion_fairseq import check_checkpoint, clear_errors
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 COMMON = ["--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--tokens-per-sample", "32", "--optimizer", "adam",
@@ -395,7 +395,7 @@ def test_checkpoints_load_under_weights_only_without_turning_it_off(runs):
     assert argparse.Namespace not in torch.serialization.get_safe_globals()
     path = runs["lm"]["dir"]["straight"] / "legacy.pt"
     torch.save({"args": argparse.Namespace(arch="lion_s_lm_tiny"), "model": {}}, path)
-    assert clear_errors._safe_load(str(path))["args"].arch == "lion_s_lm_tiny"
+    assert clear_errors.load_checkpoint_file(str(path))["args"].arch == "lion_s_lm_tiny"
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(path)
     assert argparse.Namespace not in torch.serialization.get_safe_globals()
@@ -415,8 +415,8 @@ def test_checkpoints_load_on_torch_without_safe_globals(runs, monkeypatch):
     assert checkpoint_utils.load_checkpoint_to_cpu(str(ckpt))["cfg"].model._name == TASKS["lm"][3]
     legacy = runs["lm"]["dir"]["straight"] / "legacy_old_torch.pt"
     torch.save({"args": argparse.Namespace(arch="lion_s_lm_tiny"), "model": {}}, legacy)
-    assert clear_errors._safe_load(str(legacy))["args"].arch == "lion_s_lm_tiny"
-    assert "model/arch 'lion_s_lm_tiny'" in clear_errors.explain(str(ckpt))
+    assert clear_errors.load_checkpoint_file(str(legacy))["args"].arch == "lion_s_lm_tiny"
+    assert "model/arch 'lion_s_lm_tiny'" in check_checkpoint.explain(str(ckpt))
 
 
 def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
@@ -435,9 +435,9 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
         assert "truncated or corrupt" in msg and f"({size} bytes)" in msg and "--restore-file" in msg
         assert str(intact) in msg  # an intact candidate is named
     # the explainer command says the same, and what an intact plugin checkpoint needs
-    text = clear_errors.explain(str(broken))
+    text = check_checkpoint.explain(str(broken))
     assert text.startswith("cannot read checkpoint")
-    text = clear_errors.explain(str(intact))
+    text = check_checkpoint.explain(str(intact))
     assert "'lion_s_lm_tiny'" in text and f"--user-dir {clear_errors.PACKAGE_DIR}" in text and "KeyError" in text
     proc = subprocess.run([sys.executable, "-m", "lion_fairseq.check_checkpoint", str(intact), str(broken)], env=ENV,
                           cwd=str(Path(USER_DIR).parent), capture_output=True, text=True, timeout=300)
@@ -460,13 +460,13 @@ def test_numpy_scores_load_and_a_refused_object_is_not_called_corrupt(runs, tmp_
     torch.save(state, scored)
     best = checkpoint_utils.load_checkpoint_to_cpu(str(scored))["extra_state"]["best"]
     assert best == 0.8125 and isinstance(best, np.float64)
-    assert "'lion_s_lm_tiny'" in clear_errors.explain(str(scored))
+    assert "'lion_s_lm_tiny'" in check_checkpoint.explain(str(scored))
     state["extra_state"]["odd"] = fractions.Fraction(1, 3)
     odd = tmp_path / "checkpoint_odd.pt"
     torch.save(state, odd)
     with pytest.raises(clear_errors.CheckpointError, match=r"the file is intact, but it holds fractions\.Fraction"):
         checkpoint_utils.load_checkpoint_to_cpu(str(odd))
-    text = clear_errors.explain(str(odd))
+    text = check_checkpoint.explain(str(odd))
     assert "intact" in text and "truncated" not in text
 
 

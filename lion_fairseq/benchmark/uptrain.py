@@ -109,9 +109,9 @@ def masked_lm_criterion(checkpoint: Path) -> Path:
     ``fairseq-validate`` scores with the criterion a checkpoint was trained with."""
     import torch
 
-    from ..clear_errors import _safe_load
+    from ..clear_errors import load_checkpoint_file
 
-    state = _safe_load(str(checkpoint))
+    state = load_checkpoint_file(str(checkpoint))
     state["cfg"]["criterion"] = {"_name": "masked_lm", "tpu": False}
     out = checkpoint.with_name("checkpoint_masked_lm.pt")
     torch.save(state, out)

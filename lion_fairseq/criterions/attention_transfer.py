@@ -52,12 +52,12 @@ def trained_parts(spec: str) -> List[str]:
 def check_teacher(path: str) -> None:
     """``--teacher`` must hold a softmax RoBERTa: a LION checkpoint would train the student towards another
     LION, and other kinds fail deep in fairseq's loading."""
-    from ..clear_errors import _safe_load
+    from ..clear_errors import load_checkpoint_file
     from ..convert import teacher_config, trained_model
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--teacher {path} does not exist: pass the softmax RoBERTa checkpoint")
-    arch, kind = trained_model(teacher_config(_safe_load(path)))
+    arch, kind = trained_model(teacher_config(load_checkpoint_file(path)))
     if kind != "roberta":
         raise ValueError(f"--teacher {path} holds a {kind or 'model of unknown kind'} (--arch {arch}), not a softmax "
                          "RoBERTa: attention transfer trains a LION encoder (--task masked_lm) towards a fairseq "
