@@ -312,6 +312,45 @@ def test_backward_takes_the_forward_segment_states(causal, monkeypatch):
     check_against_reference(lambda *x: kernel(*x, chunk_size=16, **kw), inputs, kw, 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("gates", ["none", "token"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_slots_holding_inf_or_nan_change_nothing(gates, causal):
+    """A padded slot's key and value (an fp16 overflow there, say) contribute nothing, in the segment sums
+    and LION-LIT's total state too: the values and gradients equal those with the slots zeroed."""
+    L = 53
+    q, k, v, f, b = make_inputs(L, gates, seed=3, dtype=torch.float32)
+    pad = padding(L)
+    spoil = lambda x, value: x.masked_fill(pad[:, None, :, None], value)  # noqa: E731
+    weight = torch.randn(B, H, L, v.shape[-1], generator=torch.Generator().manual_seed(1)).double().to(DEVICE)
+    fn = lambda *x: kernel(*x, segment_chunks=2, causal=causal, key_padding_mask=pad)  # noqa: E731
+    want, want_g = value_and_grads(fn, [q, spoil(k, 0.0), spoil(v, 0.0), f, b], weight)
+    got, got_g = value_and_grads(fn, [q, spoil(k, float("inf")), spoil(v, float("nan")), f, b], weight)
+    assert torch.isfinite(got).all() and max_err(got, want, want.abs().max()) < 1e-6
+    for name, a, r in zip("q k v f b".split(), got_g, want_g):
+        if r is not None:
+            assert torch.isfinite(a).all() and max_err(a, r, r.abs().max()) < 1e-6, name
+
+
+@pytest.mark.parametrize("gates", ["none", "token"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_eps_zero_is_finite_with_gradients(gates, causal):
+    """eps = 0 with positive features: the first walk's last row meets no key (0/0), as do the rows past L
+    in the last chunk; neither may reach the values or the gradients."""
+    inputs = make_inputs(53, gates, seed=5, dtype=torch.float32)
+    kw = dict(causal=causal, eps=0.0)
+    check_against_reference(lambda *x: kernel(*x, segment_chunks=2, **kw), inputs, kw, 1e-5, 1e-5)
+
+
+def test_a_second_derivative_raises():
+    """The kernel's backward is not differentiable: a second derivative raises rather than silently
+    missing the terms through it."""
+    q, k, v, f, b = (x.requires_grad_() if x is not None else None
+                     for x in make_inputs(20, "token", D=16, dtype=torch.float32))
+    (gq,) = torch.autograd.grad(kernel(q, k, v, f, b).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gq.pow(2).sum().backward()
+
+
 def test_forward_segment_states_serve_only_the_same_segments():
     """The forward's states serve a backward walk whose segments are the same tokens; walking left, also
     in the same frame, which starts with the last chunk's missing tokens (chunks of 32 forward and of 16

@@ -274,6 +274,65 @@ def test_padding_on_either_side_changes_nothing(form, causal):
         assert rel_err(y[1:], lion_attention(*other, form=form, causal=causal, chunk_size=4)) < 1e-5
 
 
+def _spoil_padding(x, mask, value):
+    """x ``(B, H, L, D)`` with ``value`` at the positions ``mask`` ``(B, L)`` pads."""
+    return x.masked_fill(mask[:, None, :, None], value)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_slots_holding_inf_or_nan_change_nothing(form, causal):
+    """A padded slot's key and value (an fp16 overflow there, say) contribute nothing: the values and
+    gradients equal those with the slots zeroed, and are finite."""
+    L = 3 * C + 5
+    q, k, v, f, b = make_inputs(L, "token")
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, L - 6:], mask[1, :4] = True, True
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1))
+    fn = lambda *x: lion_attention(*x, form=form, causal=causal, key_padding_mask=mask, chunk_size=C)  # noqa: E731
+    clean = [_spoil_padding(k, mask, 0.0), _spoil_padding(v, mask, 0.0)]
+    spoilt = [_spoil_padding(k, mask, float("inf")), _spoil_padding(v, mask, float("nan"))]
+    want, got = fn(q, *clean, f, b), fn(q, *spoilt, f, b)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-6
+    for name, a, r in zip("q k v f b".split(), grads(fn, [q, *spoilt, f, b], weight), grads(fn, [q, *clean, f, b], weight)):
+        if r is not None:
+            assert torch.isfinite(a).all() and rel_err(a, r) < 1e-5, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eps_zero_is_finite_with_gradients(causal):
+    """With eps = 0 the definition is finite for positive features: every form agrees with it, values and
+    gradients, where L is not a multiple of the chunk (whose padding rows have no key: 0/0)."""
+    L = 3 * C + 5
+    inputs = make_inputs(L, "token", seed=2)
+    weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1))
+    double = [x.double() for x in inputs]
+    ref_fn = lambda *x: reference_attention(*x, causal=causal, eps=0.0)  # noqa: E731
+    ref, ref_grads = ref_fn(*double), grads(ref_fn, double, weight)
+    for form in FORMS:
+        fn = lambda *x: lion_attention(*x, form=form, causal=causal, eps=0.0, chunk_size=C)  # noqa: E731
+        assert rel_err(fn(*inputs), ref) < 1e-5, form
+        for name, a, r in zip("q k v f b".split(), grads(fn, inputs, weight), ref_grads):
+            if not (causal and name == "b"):
+                assert torch.isfinite(a).all() and rel_err(a, r) < 1e-4, (form, name)
+
+
+def test_a_second_derivative_raises_where_a_form_cannot_give_it():
+    """The chunk form's backward is its own code, not differentiable: a second derivative raises rather
+    than silently missing the terms through it; the parallel form gives it."""
+    q, k, v, f, b = (x.requires_grad_() for x in make_inputs(2 * C, "token"))
+    for form in FORMS:
+        y = lion_attention(q, k, v, f, b, form=form, chunk_size=C)
+        (gq,) = torch.autograd.grad(y.pow(2).sum(), q, create_graph=True)
+        if form == "chunk":
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                gq.pow(2).sum().backward()
+        else:
+            gq.pow(2).sum().backward()
+            assert torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0, form
+            v.grad = None
+
+
 def test_long_sequence_strong_decay_stays_finite_and_forms_agree():
     L = 16384
     g = torch.Generator().manual_seed(0)

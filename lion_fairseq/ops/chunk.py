@@ -19,6 +19,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .float32 import accumulation_dtype
 from .workspace import workspace
@@ -300,6 +301,7 @@ class _ChunkAttention(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
     def backward(ctx, dy):
         q, k, v, log_f, log_b, y, den, E, Z, As, Ws = ctx.saved_tensors
         normalize, eps = ctx.normalize, ctx.eps
@@ -309,7 +311,9 @@ class _ChunkAttention(torch.autograd.Function):
         grid = _grid(log_f, log_b, G, N, C, ctx.bidirectional, q.dtype, q.device)
         fwd, bwd = grid.fwd, grid.bwd
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        inv = 1.0 / (den + eps) if normalize else None
+        # 1/(d + eps), 0 where d + eps = 0: with eps = 0, the rows padding L to whole chunks have no key
+        # (y = 0/0 there) and dy = 0, which must give 0, not 0 * inf
+        inv = torch.where(den + eps == 0, 0.0, 1.0 / (den + eps)) if normalize else None
         # gradients w.r.t. the entering states (dE, dZ; in the forward's contribution buffers, free by
         # now), then w.r.t. the chunks' contributions (dU, dUZ)
         dE = workspace("U", E.shape, E.dtype, E.device)
@@ -334,6 +338,8 @@ class _ChunkAttention(torch.autograd.Function):
                 dos = torch.mul(dy[s], inv[s, :, None], out=workspace("do", dy[s].shape, q.dtype, q.device))
                 dden = torch.mul(dy[s], y[s], out=workspace("dden", dy[s].shape, q.dtype, q.device)).sum(-1)
                 dden.mul_(inv[s]).neg_()
+                if eps == 0:
+                    dden.masked_fill_(inv[s] == 0, 0.0)
             else:
                 dos, dden = dy[s], None
             dA = torch.bmm(dos, vs.transpose(1, 2), out=workspace("dA", (n, C, C), q.dtype, q.device))

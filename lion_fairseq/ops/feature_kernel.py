@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 import triton
 import triton.language as tl
@@ -84,6 +85,7 @@ class _SiluNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
     def backward(ctx, dy: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         if dy.stride() != x.stride():  # rows must pair up with x's in memory order

@@ -25,6 +25,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the normaliser's column of ones makes Dv odd (65 for D = 64): zero columns up to a multiple of 8 keep
@@ -115,6 +116,7 @@ class _GLAFromForwardKernels(torch.autograd.Function):
         return _kernel(q, k, v, g)
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
     def backward(ctx, do: Tensor):
         q, k, v, g = ctx.saved_tensors
         do = do.to(v.dtype).contiguous()

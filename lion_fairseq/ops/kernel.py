@@ -71,6 +71,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 import triton
 import triton.language as tl
@@ -185,12 +186,14 @@ def _keys(pad, t, valid, stride_l, C: tl.constexpr, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _kept(k, valid, padb, HAS_PAD: tl.constexpr):
-    """Positions whose key counts (``_keep``), and the key rows k zeroed elsewhere."""
+def _kept(k, v, valid, padb, HAS_PAD: tl.constexpr):
+    """Positions whose key counts (``_keep``), and the key and value rows k, v zeroed elsewhere (both: a
+    padded slot may hold inf or nan, which a zero weight would not cancel)."""
     keep = _keep(valid, padb, HAS_PAD)
     if HAS_PAD:
         k = tl.where(keep[:, None], k, tl.zeros_like(k))
-    return keep, k
+        v = tl.where(keep[:, None], v, tl.zeros_like(v))
+    return keep, k, v
 
 
 @triton.jit
@@ -198,7 +201,8 @@ def _row_sums(den_ptr, dden_ptr, t, valid, C: tl.constexpr, NORMALIZE: tl.conste
     """A chunk's float32 row sums d and their gradients dden (from ``_row_grads``), as loaded; zeros
     without the normaliser."""
     if NORMALIZE:
-        den = tl.load(den_ptr + t, mask=valid, other=0.0)
+        # d = 1 past L: there dy = 0, and do = dy / (d + eps) must be 0 with eps = 0 too
+        den = tl.load(den_ptr + t, mask=valid, other=1.0)
         dden = tl.load(dden_ptr + t, mask=valid, other=0.0)
     else:
         den = tl.zeros((C,), tl.float32)
@@ -309,7 +313,7 @@ def _segment_sums(X, YV, DY, DDEN, DEN, G, PAD, U, UZ, U1, UZ1, LOGD,
             g = _gates(Gp, t, valid, sg_l, HAS_GATE, C)
             keep = _keys(PAD + b * sp_b, t, valid, sp_l, C, HAS_PAD)
             x = _rows(Xp, t, keep, sx_l, Dk, BK).to(tl.float32)
-            y = _rows(YV + b * syv_b + h * syv_h, t, valid, syv_l, Dv, BV)
+            y = _rows(YV + b * syv_b + h * syv_h, t, keep, syv_l, Dv, BV)
             w = tl.full((C,), 1.0, tl.float32)  # the normaliser's column of ones (x is 0 at padding)
         hi, lo, read, own, decay = _decays(g)
         xs = x * own[:, None]
@@ -392,7 +396,7 @@ def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
         else:
             q, k, v, g, padb = _walk_tiles(Qp, Kp, Vp, Gp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sg_l, sp_l, Dk, Dv, C,
                                            BK, BV, REVERSE, HAS_GATE, HAS_PAD)
-        keep, k = _kept(k, valid, padb, HAS_PAD)
+        keep, k, v = _kept(k, v, valid, padb, HAS_PAD)
         hi, lo, read, own, decay = _decays(g)
         A = _mm(q, tl.trans(k), DT, PREC) * _in_chunk_decay(hi, lo, C, STRICT, HAS_GATE)
         num = _mm(A, v, DT, PREC) + read[:, None] * _mm(q, S, SDT, PREC)
@@ -404,7 +408,8 @@ def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
             before = _load_sum(Yp, YLp, t, valid, sy_l, Dv, BV, LO_IN)
             if NORMALIZE:
                 den_before = tl.load(DENp + t, mask=valid, other=0.0)
-                num += before * (den_before + eps)[:, None]
+                # where the first walk met no key, n = 0: 0/0 with eps = 0, so select rather than scale
+                num += tl.where((den_before + eps)[:, None] != 0, before * (den_before + eps)[:, None], 0.0)
                 den += den_before
             else:
                 num += before
@@ -475,7 +480,7 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
             q, k, v, dy, den, dden, ga, gb, padb = _grad_tiles(
                 Qp, Kp, Vp, DYp, DEN + bh * L, DDEN + bh * L, GAp, GBp, PADp, c0 + i, L, sq_l, sk_l, sv_l, sdy_l,
                 sga_l, sgb_l, sp_l, Dk, Dv, C, BK, BV, REVERSE, GATE_A, GATE_B, HAS_PAD, NORMALIZE)
-        keep, k = _kept(k, valid, padb, HAS_PAD)
+        keep, k, v = _kept(k, v, valid, padb, HAS_PAD)
         do = _do(dy, den, eps, NORMALIZE)
         if ALONG:
             hi, lo, read, own, decay = _decays(ga)
@@ -544,7 +549,7 @@ def _global_apply(Q, K, V, DY, Y, YL, DEN, DDEN, PAD, S0, Z0, G0, GZ0, DQ, DK, D
         Gs, gz = _load_state(G0, GZ0, bh, BK, BV, True)
         keep = _keys(PAD + b * sp_b, t, valid, sp_l, C, HAS_PAD)
         k = _rows(K + b * sk_b + h * sk_h, t, keep, sk_l, Dk, BK)
-        v = _rows(V + b * sv_b + h * sv_h, t, valid, sv_l, Dv, BV)
+        v = _rows(V + b * sv_b + h * sv_h, t, keep, sv_l, Dv, BV)
         do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv, eps,
                               BV, C, NORMALIZE)
         dq = _mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :]
@@ -961,6 +966,7 @@ class _LionKernel(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
     def backward(ctx, dy):
         q, k, v, f, b, pad, y, y_lo, den, *total = ctx.saved_tensors
         dy = _addressable(dy)
