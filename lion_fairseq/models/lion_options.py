@@ -3,7 +3,7 @@ import argparse
 import contextlib
 import functools
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -100,9 +100,10 @@ def arch_filling(variant: str, size: Dict[str, Any], base: Callable[[Any], None]
     return arch
 
 
-def set_unset_from(args: Any, config_cls: type) -> None:
-    """``set_unset`` with every field default of a dataclass config."""
-    set_unset(args, {f.name: f.default for f in fields(config_cls) if not f.name.startswith("_")})
+def set_unset_from(args: Any, config_cls: type, exclude: Tuple[str, ...] = ()) -> None:
+    """``set_unset`` with every field default of a dataclass config, but those named in ``exclude``."""
+    set_unset(args, {f.name: f.default for f in fields(config_cls)
+                     if not f.name.startswith("_") and f.name not in exclude})
 
 
 def lion_attention_kwargs(cfg: Any) -> Dict[str, Any]:

@@ -34,7 +34,7 @@ from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
-                           set_unset)
+                           set_unset, set_unset_from)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
@@ -186,8 +186,7 @@ def lion_transformer_base(args: Any) -> None:
     set_unset(args, dict(BASE, lion_variant="s", lion_normalize=True))
     # the rest at the dataclass's defaults: a Namespace from fairseq's parser (the legacy path) lacks every
     # option not typed (the task gives the positions, which the dataclass only refers to)
-    set_unset(args, {f.name: f.default for f in fields(LionTransformerConfig)
-                     if not f.name.startswith("_") and f.name not in ("max_source_positions", "max_target_positions")})
+    set_unset_from(args, LionTransformerConfig, exclude=("max_source_positions", "max_target_positions"))
 
 
 for _variant in ("lit", "d", "s"):
