@@ -16,6 +16,8 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from fairseq.hub_utils import GeneratorHubInterface
 
+from ..clear_errors import check_learned_positions
+
 logger = logging.getLogger(__name__)
 
 SPM = "sentencepiece.bpe.model"
@@ -98,6 +100,15 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
         if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
             return self.generate(tokenized_sentences.unsqueeze(0), beam, verbose, skip_invalid_size_inputs,
                                  inference_step_args, prefix_allowed_tokens_fn, **kwargs)[0]
+        if kwargs.get("score_reference"):  # score(): nothing follows the text, which fits if its tokens do
+            if not skip_invalid_size_inputs and len(tokenized_sentences):
+                # fairseq's own refusal names a command-line option (--skip-invalid-size-inputs-valid-test)
+                check_learned_positions(max(len(t) for t in tokenized_sentences),
+                                        min(model.max_positions() for model in self.models),
+                                        shorter="a shorter text (or skip_invalid_size_inputs=True to skip it)",
+                                        set_by="--max-target-positions / --tokens-per-sample")
+            return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
+                                    prefix_allowed_tokens_fn, **kwargs)
         per_prompt = kwargs.pop("max_len_a", self.cfg.generation.max_len_a)
         new = kwargs.pop("max_len_b", self.cfg.generation.max_len_b)
         min_new = kwargs.pop("min_len", self.cfg.generation.min_len)
