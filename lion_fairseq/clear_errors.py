@@ -1,18 +1,23 @@
 """Clear messages for faults users meet with fairseq: a truncated or corrupt checkpoint, a checkpoint of
 another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
 c10d`` on CPU, a misspelled ``--model-overrides`` key, ``fairseq-eval-lm`` on samples longer than the
-model's positions or on a model of another kind, a run resumed as another model, ``fairseq-train --bf16``.
+model's positions or on a model of another kind, a run resumed as another model, ``fairseq-train --bf16``,
+``--print-alignment`` on linear cross-attention.
 Each says what is wrong and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps seven
-fairseq functions so that their failures carry such a message (the original error stays chained):
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps nine
+fairseq functions so that their failures carry such a message (the original error stays chained) or that they
+do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
 ``models.DistributedFairseqModel``, ``Trainer.__init__`` (``--bf16`` without a TPU),
 ``Trainer.load_checkpoint`` (whose own 'please ensure that the architectures match' would otherwise be the
 last line a user reads, and which starts from random weights where a ``--restore-file`` given with
 ``--reset-*`` options does not exist, or resumes a run as another model),
-``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line) and
-``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm). Without
+``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line),
+``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm),
+``distributed.utils.broadcast_object`` (which resumes a multi-process run through a ``torch.load`` that
+``weights_only`` refuses) and ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
+weights are formed). Without
 ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
 intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
 truncated, which model and arch, what to pass).
@@ -390,6 +395,31 @@ def _wrap_distributed_model(original):
     return DistributedFairseqModel
 
 
+def alignment_message(models: List[torch.nn.Module], args: Any) -> Optional[str]:
+    """Where ``--print-alignment`` is asked of a model with linear cross-attention, which forms no weights
+    over the source to align with (fairseq fails transposing an empty tensor), what to do; else None."""
+    from .modules.seq2seq_attention import LinearCrossAttention
+
+    if not getattr(args, "print_alignment", False):
+        return None
+    if not any(isinstance(m, LinearCrossAttention) for model in models for m in model.modules()):
+        return None
+    return ("--print-alignment reads the decoder's attention weights over the source, and this model's linear "
+            "cross-attention (--lion-cross-attention linear) forms none: leave out --print-alignment, or align "
+            "with a model trained with --lion-cross-attention softmax (the default)")
+
+
+def _wrap_build_generator(original):
+    @functools.wraps(original)
+    def build_generator(self, models, args, *rest, **kwargs):
+        message = alignment_message(models, args)
+        if message:
+            raise ValueError(message)
+        return original(self, models, args, *rest, **kwargs)
+    build_generator.__lion_wrapped__ = True
+    return build_generator
+
+
 def install() -> None:
     """Wrap fairseq's checkpoint readers, dataset loader, DDP wrapper and eval-lm batches (idempotent)."""
     from fairseq import checkpoint_utils, models
@@ -417,6 +447,10 @@ def install() -> None:
         LanguageModelingTask.eval_lm_dataloader = _wrap_eval_lm_dataloader(LanguageModelingTask.eval_lm_dataloader)
     if not getattr(LanguageModelingTask.build_model, "__lion_wrapped__", False):
         LanguageModelingTask.build_model = _wrap_language_model_build(LanguageModelingTask.build_model)
+    from fairseq.tasks import FairseqTask
+
+    if not getattr(FairseqTask.build_generator, "__lion_wrapped__", False):
+        FairseqTask.build_generator = _wrap_build_generator(FairseqTask.build_generator)
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------

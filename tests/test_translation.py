@@ -75,6 +75,25 @@ def test_beam_search_scores_equal_the_teacher_forced_pass(mt_data, variant, cros
                                            atol=1e-4, rtol=1e-4)
 
 
+def test_alignment_is_refused_where_linear_cross_attention_forms_no_weights(mt_data):
+    """--print-alignment reads the decoder's attention over the source: softmax cross-attention aligns;
+    linear cross-attention forms no such weights, where fairseq failed transposing an empty tensor
+    (IndexError), and is refused naming the option (fairseq-generate, -interactive and the hub all build
+    their generator through the task)."""
+    from argparse import Namespace
+
+    args = Namespace(print_alignment="hard", beam=2, max_len_a=0, max_len_b=5)
+    task, model = build(mt_data, "s", "softmax")
+    with torch.no_grad():
+        hypos = task.build_generator([model], args).generate([model], batch(task, 2))
+    assert hypos[0][0]["alignment"] is not None
+    task, model = build(mt_data, "s", "linear")
+    with pytest.raises(ValueError, match=r"--print-alignment .*--lion-cross-attention linear.*--lion-cross-attention "
+                                         r"softmax"):
+        task.build_generator([model], args)
+    task.build_generator([model], Namespace(beam=2))  # without alignment it decodes as before
+
+
 def test_builds_from_the_parsers_namespace_as_from_its_config(mt_data):
     """fairseq's legacy path builds a model from the parser's Namespace, which lacks every option not
     typed (their defaults are deleted there): the same model as from the config fairseq-train makes."""
