@@ -8,10 +8,12 @@ from ..ops.backend import triton_chosen
 
 
 def elu_plus_one(x: Tensor) -> Tensor:
+    """``elu(x) + 1 > 0``: LION-LIT's map (linear attention's usual one)."""
     return F.elu(x) + 1.0
 
 
 def silu_norm(x: Tensor) -> Tensor:
+    """``(silu(x) + 0.5) / ||silu(x) + 0.5||`` over the head dimension: LION-D/S's map, unit rows."""
     if triton_chosen(x, (x.shape[-1], x.shape[-1])):  # a pass each way, not PyTorch's 4 and about 7
         from ..ops.feature_kernel import silu_norm_kernel
 
@@ -22,6 +24,7 @@ def silu_norm(x: Tensor) -> Tensor:
 
 
 def identity(x: Tensor) -> Tensor:
+    """No map: the released MLM recipe's ablation (scores of either sign)."""
     return x
 
 
