@@ -461,6 +461,46 @@ def test_unavailable_backend_says_why_once_and_falls_back(monkeypatch):
     assert y.dtype == torch.float64 and max_err(y, ref, ref.abs().max()) < 1e-10
 
 
+@pytest.mark.parametrize("part", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_gpu_without_the_room_falls_back_once(part, dtype, monkeypatch):
+    """Triton says only as it loads a kernel onto the GPU that a launch needs more than the GPU has
+    (float32 at head size 128 needs 192 KB of shared memory per block: more than an A100 or an L40S has).
+    The call says why, once, and gives the PyTorch chunk form's values and gradients; later calls of that
+    device, dtype and head size go straight to it."""
+    from triton.runtime.errors import OutOfResources
+
+    from lion_fairseq.ops import kernel as kmod
+
+    backend_mod._warn_once.cache_clear()
+    monkeypatch.setattr(kmod, "_DOES_NOT_FIT", {})
+    calls = []
+
+    def short_of_room(*args, **kwargs):
+        calls.append(part)
+        raise OutOfResources(196992, 166912, "shared memory")
+
+    monkeypatch.setattr(kmod, f"_{part}", short_of_room)
+    inputs = make_inputs(40, "token", dtype=dtype)
+    pad = padding(40)
+    weight = torch.randn(B, H, 40, inputs[2].shape[-1], generator=torch.Generator().manual_seed(1)).double()
+    fn = lambda backend: lambda *x: lion_attention(*x, form="chunk", backend=backend,  # noqa: E731
+                                                   key_padding_mask=pad, chunk_size=16)
+    want, want_g = value_and_grads(fn("torch"), [x.float() for x in inputs], weight.to(DEVICE))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_g = value_and_grads(fn("triton"), inputs, weight.to(DEVICE))
+        assert calls == [part]
+        value_and_grads(fn("triton"), inputs, weight.to(DEVICE))
+    assert calls == [part]  # the second call did not try the kernel again
+    msgs = [str(w.message) for w in caught if "Triton kernel" in str(w.message)]
+    assert len(msgs) == 1 and "needs 196992 of shared memory per block, and this GPU has 166912" in msgs[0], msgs
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert got.dtype == dtype and max_err(got, want, want.abs().max()) < tol
+    for name, a, r in zip("q k v f b".split(), got_g, want_g):
+        assert a.dtype == dtype and max_err(a, r, r.abs().max()) < tol, name
+
+
 def test_mixed_input_dtypes_are_judged_by_the_dtype_they_promote_to():
     """float64 q with float32 k and v: the kernel would read all three as float64, which it does not take;
     it used to judge by v's dtype alone and run its float16 products on them (errors of 3e-4 instead of

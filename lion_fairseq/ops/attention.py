@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backend import BACKENDS, chunk_backend
+from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
 from .float32 import accumulation_dtype, float32_math
 from .gates import LOG_GATE_MIN
@@ -120,13 +120,16 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         if form == "chunk" else "torch"
     _log_what_runs(form, chunk_size, which, v.device.type, v.dtype)
     if which == "triton":
-        from .kernel import kernel_attention
+        from .kernel import OutOfResources, does_not_fit, kernel_attention
 
         f, b = (_gate(g, n, B, H, L, torch.float32, expand=False)
                 for g, n in ((log_a_fwd, "log_a_fwd"), (log_a_bwd, "log_a_bwd")))
-        y = kernel_attention(q.to(common), k.to(common), v.to(common), f, b, causal, normalize, key_padding_mask,
-                             eps, chunk_size)
-        return y.to(out_dtype)
+        try:
+            y = kernel_attention(q.to(common), k.to(common), v.to(common), f, b, causal, normalize,
+                                 key_padding_mask, eps, chunk_size)
+            return y.to(out_dtype)
+        except OutOfResources as e:  # known only as Triton loads the kernel onto this GPU, before it runs
+            which = fall_back_from_triton(probe, does_not_fit(probe, (q.shape[-1], v.shape[-1]), e), fla_available)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
     use_fla = which == "fla"

@@ -65,6 +65,13 @@ def triton_chosen(x: Tensor, head_dims: Tuple[int, int]) -> bool:
     return requested(None) == "triton" and triton_unavailable(x, head_dims) is None
 
 
+def fall_back_from_triton(x: Tensor, reason: str, fla_available: Callable[[Tensor], bool]) -> str:
+    """Where the kernel cannot run on ``x``: say why (once per reason), and which backend runs instead."""
+    fallback = "fla" if fla_available(x) else "torch"
+    _warn_once(f"LION's Triton kernel cannot run here: {reason}. The chunk form runs on {fallback}.")
+    return fallback
+
+
 def chunk_backend(backend: Optional[str], x: Tensor, head_dims: Tuple[int, int],
                   fla_available: Callable[[Tensor], bool],
                   fla_unavailable: Callable[[Tensor], Optional[str]]) -> str:
@@ -72,11 +79,7 @@ def chunk_backend(backend: Optional[str], x: Tensor, head_dims: Tuple[int, int],
     want = requested(backend)
     if want == "triton":
         reason = triton_unavailable(x, head_dims)
-        if reason is None:
-            return "triton"
-        fallback = "fla" if fla_available(x) else "torch"
-        _warn_once(f"LION's Triton kernel cannot run here: {reason}. The chunk form runs on {fallback}.")
-        return fallback
+        return "triton" if reason is None else fall_back_from_triton(x, reason, fla_available)
     if want == "fla" and not fla_available(x):
         _warn_once(f"flash-linear-attention cannot run here: {fla_unavailable(x)}. The chunk form runs in PyTorch.")
         return "torch"

@@ -75,10 +75,17 @@ from torch.autograd.function import once_differentiable
 
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 128
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the calls whose launches needed more of their GPU than it has, by (device, dtype, head sizes): why, so
+# that later calls go straight to the fallback. Known only when Triton loads a kernel onto the GPU. Compiled
+# for sm_89 (kernel_targets), float32 inputs at head size 128 need 160 to 192 KB of shared memory per block:
+# more than an L4/L40S's 99 KB, and in the backward an A100's 163 KB (an H100/H200 has 227 KB); 16-bit
+# inputs at 128, and float32 at 64 (sm_80), need at most 65 KB
+_DOES_NOT_FIT: Dict[Tuple[str, torch.dtype, Tuple[int, int]], str] = {}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -973,9 +980,34 @@ class _LionKernel(torch.autograd.Function):
         entering, ctx.entering = ctx.entering, None
         cfg = _backward_config(q, v, ctx.chunk_size, ctx.segment_chunks,
                                entering.tokens if entering is not None else None)
-        dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
-                                       dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad, entering)
+        try:
+            dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
+                                           dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad, entering)
+        except OutOfResources as e:  # the backward's launches need more than the forward's
+            from .backend import fall_back_from_triton
+            from .fla import fla_available
+
+            # said as later calls will fall back; these gradients come from the PyTorch chunk form
+            fall_back_from_triton(v, does_not_fit(v, (q.shape[-1], v.shape[-1]), e), fla_available)
+            dq, dk, dv, df, db = _torch_grads(ctx, q, k, v, f, b, pad, dy)
         return dq, dk, dv, df, db, None, None, None, None, None, None, None
+
+
+def _torch_grads(ctx, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor], b: Optional[Tensor],
+                 pad: Optional[Tensor], dy: Tensor) -> List[Optional[Tensor]]:
+    """The gradients of ``_LionKernel``'s inputs by the PyTorch chunk form (in float32), in their dtypes."""
+    from .attention import lion_attention
+
+    inputs = (q, k, v, f, b)
+    with torch.enable_grad():
+        leaves = [x.detach().float().requires_grad_(need) if x is not None else None
+                  for x, need in zip(inputs, ctx.needs_input_grad[:5])]
+        y = lion_attention(*leaves, form="chunk", backend="torch", causal=ctx.causal, normalize=ctx.normalize,
+                           key_padding_mask=pad, eps=ctx.eps, chunk_size=ctx.chunk_size)
+        wanted = [x for x in leaves if x is not None and x.requires_grad]
+        found = iter(torch.autograd.grad(y, wanted, dy.float()) if wanted else ())
+    return [next(found).to(x.dtype) if leaf is not None and leaf.requires_grad else None
+            for x, leaf in zip(inputs, leaves)]
 
 
 def kernel_unavailable(x: Tensor, head_dims: Tuple[int, int]) -> Optional[str]:
@@ -987,7 +1019,16 @@ def kernel_unavailable(x: Tensor, head_dims: Tuple[int, int]) -> Optional[str]:
         return f"it takes float32, bfloat16 or float16 inputs; got {x.dtype}"
     if max(head_dims) > MAX_HEAD_DIM:
         return f"it takes head sizes up to {MAX_HEAD_DIM}; got {head_dims}"
-    return None
+    return _DOES_NOT_FIT.get((str(x.device), x.dtype, tuple(head_dims)))
+
+
+def does_not_fit(x: Tensor, head_dims: Tuple[int, int], error: OutOfResources) -> str:
+    """Remember that the kernel's launches on x's device, dtype and head sizes ``(Dk, Dv)`` need more than
+    the GPU has (``error``, raised as Triton loads a kernel, before it runs), and say so."""
+    reason = (f"in {str(x.dtype).replace('torch.', '')} at head sizes {tuple(head_dims)} it needs {error.required} "
+              f"of {error.name} per block, and this GPU has {error.limit}")
+    _DOES_NOT_FIT[(str(x.device), x.dtype, tuple(head_dims))] = reason
+    return reason
 
 
 def cuts_into_segments(q: Tensor, v: Tensor, chunk_size: int = 64) -> bool:
