@@ -615,14 +615,14 @@ BLOCKS = {False: {64: (32, 8), 128: (16, 8)}, True: {64: (16, 8), 128: (16, 8)}}
 PROGRAMS_PER_SM = 4
 # software-pipelining stages of the walks' loops, forward and backward (3: Triton's default on NVIDIA GPUs)
 STAGES = {False: 3, True: 3}
-# whether the walks load the next chunk's tiles before computing their own, forward and backward (no
-# registers spilled either way on sm_90 at D <= 64; not yet timed on a GPU)
+# whether the walks load the next chunk's tiles before computing their own, forward and backward (bf16
+# spills no registers either way on sm_90 at D = 64; not yet timed on a GPU)
 PREFETCH = {False: False, True: False}
 # whether a bidirectional backward walks each way once with both of its parts (two launches), by head
 # class, instead of once per part (four launches, each reading q, k, v and dy again): ``_backward_passes``.
-# Compiled for sm_90 at the backward's (16, 8), fused walks spill at most 48 bytes a thread with bf16
-# inputs and 240 with fp16 at D = 64 (232 and 384 at D = 32), and more than split ones at D = 128
-# (kernel_targets)
+# Compiled for sm_90 at the backward's (16, 8), fused walks spill at most 24 bytes a thread with bf16
+# inputs and 160 with fp16 at D = 64 (232 and 440 at D = 32), and more than split ones at D = 128
+# (kernel_targets, Triton 3.9.0)
 FUSED = {64: True, 128: False}
 
 
