@@ -140,7 +140,8 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
 # what the weights were trained with: an override of one loads without a word (no tensor changes shape) and
 # runs another model on them (softmax cross-attention's weights read as linear, say)
 FIXED_BY_TRAINING = ("lion_variant", "lion_feature_map", "lion_normalize", "lion_norm_after", "lion_positions",
-                     "lion_gate_temperature", "lion_output_gate", "lion_short_conv", "lion_cross_attention")
+                     "lion_gate_temperature", "lion_output_gate", "lion_short_conv", "lion_cross_attention",
+                     "lion_order")
 
 
 def _same_option(a: Any, b: Any) -> bool:

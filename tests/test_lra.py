@@ -253,6 +253,11 @@ def test_retrieval_tsv_pairs_to_training(tmp_path):
     out = _train(data, tmp_path / "ck", "lra_retrieval", "--arch", "lion_s_lra_tiny", "--lion-form", "chunk",
                  "--lion-chunk-size", "16")
     assert _valid_count(out) == 4
+    from fairseq.data import data_utils
+
+    docs = [data_utils.load_indexed_dataset(str(data / side / "valid"), None) for side in ("input0", "input1")]
+    read = sum(int(ds.sizes.sum()) for ds in docs)  # the datasets alive: their sizes are a view of a memory map
+    assert int(float(_records(out, "valid")[-1]["valid_ntokens"])) == read  # both documents of each pair
 
     # the shared encoder sees each document alone: a document's vector does not depend on its partner
     # or on the padding its batch-mate forces
@@ -342,6 +347,11 @@ def test_pathfinder_png_folders_to_training_in_snake_order(tmp_path):
     assert meta["max_length"] == 1024 and [meta["splits"][s]["items"] for s in ("train", "valid", "test")] == [16, 2, 2]
     out = _train(data, tmp_path / "ck", "lra_pathfinder", "--arch", "lion_d_lra_tiny", "--lion-order", "row_snake")
     assert _valid_count(out) == 2
+    # the order is what the weights were trained with: resumed in another, the run stops naming it
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(data), *COMMON, "--task", "lra_pathfinder",
+                           "--save-dir", str(tmp_path / "ck"), "--max-update", "6", "--batch-size", "4", "--arch",
+                           "lion_d_lra_tiny", "--lion-order", "col_snake"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "--lion-order row_snake -> --lion-order col_snake" in proc.stderr, proc.stderr[-2000:]
     with pytest.raises(ValueError, match="Path-X"):  # 32px data is not Path-X
         from lion_fairseq.tasks.lra import LRAPathXConfig, LRAPathXTask
         LRAPathXTask.setup_task(LRAPathXConfig(data=str(data), seed=1))

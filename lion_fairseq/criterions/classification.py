@@ -28,7 +28,10 @@ class LionClassificationCriterion(FairseqCriterion):
         targets = sample["target"].view(-1)
         loss = F.cross_entropy(logits.float(), targets, reduction="sum" if reduce else "none")
         n = targets.numel()
-        logging_output = {"loss": loss.data, "ntokens": sample["ntokens"], "nsentences": n, "sample_size": n,
+        ntokens = sample["ntokens"]
+        if "src_lengths_1" in sample["net_input"]:  # a pair task's second document is read too (wps, wpb)
+            ntokens = ntokens + sample["net_input"]["src_lengths_1"].sum().data
+        logging_output = {"loss": loss.data, "ntokens": ntokens, "nsentences": n, "sample_size": n,
                           "ncorrect": (logits.argmax(-1) == targets).sum().data}
         return loss, n, logging_output
 

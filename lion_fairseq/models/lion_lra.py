@@ -28,6 +28,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
 from torch import Tensor
 
+from ..clear_errors import ClearLoadErrors
 from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
@@ -68,7 +69,7 @@ class LionLRAConfig(LionOptions):
                                                "in both snake orders with their own decays, masks averaged"})
 
 
-class LionLRAModel(BaseFairseqModel):
+class LionLRAModel(ClearLoadErrors, BaseFairseqModel):
     """``forward(src_tokens (B, T), src_tokens_1 (B, T') = None) -> logits (B, num_classes)``."""
 
     def __init__(self, cfg: Any, task):
