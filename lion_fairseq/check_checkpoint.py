@@ -44,7 +44,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      description="Explain a fairseq checkpoint: readable? which model? what to pass?")
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--options", action="store_true",
-                        help="print only the options a LION checkpoint was trained as (--arch ... and its sizes), "
+                        help="print only the options a LION checkpoint was trained as (--arch, its sizes, layer "
+                             "structure and LION options), "
                              "one line each; an empty line for another checkpoint (for scripts)")
     args = parser.parse_args(argv)
     if args.options:

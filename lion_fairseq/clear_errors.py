@@ -596,20 +596,40 @@ def other_kind_message(filename: str, model_cfg: Any) -> Optional[str]:
 
 
 def trained_as_options(model_cfg: Any) -> Optional[str]:
-    """A LION checkpoint's arch and sizes as the command line gives them (``--arch lion_s_tiny
-    --encoder-layers 2 ...``), for a model built otherwise; None for other checkpoints."""
-    from .convert import _sizes
+    """A LION checkpoint's arch, sizes, structure and LION options as the command line gives them
+    (``--arch lion_s_tiny --encoder-layers 2 ... --lion-feature-map silu_norm``), for a model built otherwise
+    or fine-tuned from it; None for other checkpoints. The LION options are those the checkpoint's config
+    sets (with the feature map and positions as they resolve), which a model of the same arch would
+    otherwise take from the arch and the dataclass defaults."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    from .convert import TARGETS, _sizes, teacher_flags
+    from .models.lion_options import built_value
 
     if model_cfg is None:
         return None
-    # a DictConfig or the dict a checkpoint file holds
-    get = model_cfg.get if hasattr(model_cfg, "get") else lambda key: getattr(model_cfg, key, None)
+    if isinstance(model_cfg, dict):  # the plain dict a checkpoint file holds
+        model_cfg = argparse.Namespace(**model_cfg)
+    get = lambda key: getattr(model_cfg, key, None)  # noqa: E731
     arch = get("_name")
     if not str(arch).startswith("lion"):
         return None
-    sizes = [f"{options[0]} {get(key)}" for key, options in _sizes("encoder", "decoder").items()
-             if get(key) is not None]
-    return " ".join([f"--arch {arch}", *sizes])
+    words = [f"--arch {arch}", *(f"{options[0]} {get(key)}" for key, options in _sizes("encoder", "decoder").items()
+                                 if get(key) is not None)]
+    target = TARGETS.get(ARCH_MODEL_NAME_REGISTRY.get(arch))
+    if target is not None:  # pre- or post-norm layers, an embedding LayerNorm: what the weights are laid out for
+        words += teacher_flags({key: get(key) for key in target.switches}, target, [])
+    if get("activation_fn") is not None:
+        words.append(f"--activation-fn {get('activation_fn')}")
+    for key in FIXED_BY_TRAINING:
+        if get(key) is None and key not in ("lion_feature_map", "lion_positions"):
+            continue  # the arch decides, as it did in training
+        value, flag = built_value(model_cfg, key), "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            words += [flag] if value else [f"--no-{flag[2:]}"] if key in ("lion_normalize", "lion_output_gate") else []
+        elif value is not None:
+            words.append(f"{flag} {value}")
+    return " ".join(words)
 
 
 def _wrap_trainer_load_checkpoint(original):

@@ -279,8 +279,44 @@ def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
     last = [line for line in str(failed.value).splitlines() if line.strip()][-1]
     assert "learned positions: the checkpoint has 64 and the model 512; pass --max-positions 64" in last, last
     # and, read from the checkpoint, the arch and sizes to pass in one go (not one option per failed run)
-    assert last.endswith("It was trained as --arch lion_lit_tiny --encoder-layers 2 --encoder-embed-dim 128 "
-                         "--encoder-ffn-embed-dim 512 --encoder-attention-heads 2."), last
+    assert "It was trained as --arch lion_lit_tiny --encoder-layers 2 --encoder-embed-dim 128 " \
+           "--encoder-ffn-embed-dim 512 --encoder-attention-heads 2 " in last, last
+    assert last.endswith(" --lion-feature-map elu --lion-normalize --lion-positions learned."), last
+
+
+@pytest.mark.parametrize("pretrained", [
+    ["--arch", "lion_s_tiny", "--lion-feature-map", "elu"],
+    ["--arch", "lion_lit_tiny", "--lion-feature-map", "identity", "--no-lion-normalize", "--lion-norm-after",
+     "--encoder-normalize-before", "--lion-positions", "none"],
+    ["--arch", "lion_d_tiny", "--encoder-layers", "3", "--lion-short-conv", "3", "--lion-output-gate",
+     "--no-layernorm-embedding"]])
+def test_trained_as_options_rebuild_the_model(pretrained, tmp_path):
+    """``check_checkpoint --options`` (what glue/finetune.sh fine-tunes with): parsed again, they give the
+    model config the checkpoint holds, in sizes, layer structure and every option its weights were trained
+    with. They gave only the arch and sizes, so the recipe fine-tuned a checkpoint pretrained with
+    ``--lion-feature-map elu`` as silu_norm (logged, and trained on)."""
+    import shlex
+
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from lion_fairseq.clear_errors import FIXED_BY_TRAINING, trained_as_options
+    from lion_fairseq.models.lion_options import built_value
+
+    def model_cfg(argv):
+        ns = options.parse_args_and_arch(options.get_training_parser(), [
+            str(tmp_path), "--user-dir", USER_DIR, "--task", "masked_lm", *argv])
+        return convert_namespace_to_omegaconf(ns).model
+
+    trained = model_cfg(pretrained)
+    rebuilt = model_cfg(shlex.split(trained_as_options(trained)))
+    for key in (*FIXED_BY_TRAINING, "encoder_layers", "encoder_embed_dim", "encoder_normalize_before",
+                "layernorm_embedding", "activation_fn"):
+        assert built_value(rebuilt, key) == built_value(trained, key), key
+    # a checkpoint file holds a plain dict: the same options
+    from omegaconf import OmegaConf
+
+    assert trained_as_options(OmegaConf.to_container(trained)) == trained_as_options(trained)
 
 
 def test_missing_restore_file_with_resets_is_refused(mlm, text_data_bin, tmp_path):

@@ -17,7 +17,7 @@ DATA=$1; CKPT=$2; SAVE=$3; shift 3
 need fairseq-train
 if [ -n "${ARCH:-}" ]; then
   ARCH_OPTS=(--arch "$ARCH")
-else  # the arch and sizes the checkpoint was trained as (lion_s for a checkpoint of another kind)
+else  # the arch, sizes and options the checkpoint was trained as (lion_s for a checkpoint of another kind)
   read -r -a ARCH_OPTS < <(python -m lion_fairseq.check_checkpoint --options "$CKPT") || true
   [ ${#ARCH_OPTS[@]} -gt 0 ] || ARCH_OPTS=(--arch lion_s)
   ARCH=${ARCH_OPTS[1]}
