@@ -12,8 +12,9 @@ from torch import Tensor
 
 from ..ops import (FORMS, block_attention, causal_state, is_chunk_size, lion_attention, lion_step, state_after,
                    state_before)
-from ..ops.padding import bool_padding_mask
 from ..ops.float32 import float32_math
+from ..ops.padding import bool_padding_mask
+from ..ops.recurrent import decayed
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
 
 logger = logging.getLogger(__name__)
@@ -70,13 +71,6 @@ def linear_input(x: Tensor, layer: nn.Linear) -> Tensor:
         autocast = torch.is_autocast_enabled() if device == "cuda" else (
             device == "cpu" and torch.is_autocast_cpu_enabled())
     return x if autocast else x.to(layer.weight.dtype)
-
-
-def decayed(S: Tensor, z: Tensor, log_gate: Tensor) -> Tuple[Tensor, Tensor]:
-    """A decoding state ``S`` ``(B, H, Dk, Dv)``, ``z`` ``(B, H, Dk)`` times the gates ``exp(log_gate)``
-    ``(B, H)``."""
-    f = log_gate.to(S.dtype).exp()
-    return f[..., None, None] * S, f[..., None] * z
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:

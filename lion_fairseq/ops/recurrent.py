@@ -47,6 +47,13 @@ def recurrent_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Ten
 
 
 @float32_math
+def decayed(S: Tensor, z: Tensor, log_a: Tensor) -> State:
+    """A state ``S`` ``(B, H, Dk, Dv)``, ``z`` ``(B, H, Dk)`` times the gates ``exp(log_a)`` ``(B, H)`` (or
+    broadcastable), computed in S's dtype."""
+    f = log_a.to(S.dtype).exp()
+    return f[..., None, None] * S, f[..., None] * z
+
+
 def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] = None,
               state: Optional[State] = None, *, normalize: bool = True, eps: float = 1e-6) -> Tuple[Tensor, State]:
     """One token of the causal recurrence, for decoding.
@@ -79,8 +86,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
             raise ValueError(f"state must be (S, z) of shapes {tuple(kv.shape)} and {tuple(k.shape)}; "
                              f"got {tuple(S.shape)} and {tuple(z.shape)}")
         if log_a_t is not None:
-            f = log_a_t.to(dtype).exp().expand(q.shape[:2])
-            S, z = f[..., None, None] * S, f[..., None] * z
+            S, z = decayed(S, z, log_a_t.expand(q.shape[:2]))
         S, z = S + kv, z + k
     y = (q[..., None, :] @ S).squeeze(-2)
     if normalize:
