@@ -60,6 +60,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 1 if bad else 0
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -532,7 +532,6 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
     return None
 
 
-
 def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], error: BaseException) -> str:
     """One line, ending with the first real difference and what to pass (the line a user reads last)."""
     difference = first_difference(state_dict, model.state_dict())
@@ -624,11 +623,9 @@ def trained_as_options(model_cfg: Any) -> Optional[str]:
     for key in FIXED_BY_TRAINING:
         if get(key) is None and key not in ("lion_feature_map", "lion_positions"):
             continue  # the arch decides, as it did in training
-        value, flag = built_value(model_cfg, key), "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            words += [flag] if value else [f"--no-{flag[2:]}"] if key in ("lion_normalize", "lion_output_gate") else []
-        elif value is not None:
-            words.append(f"{flag} {value}")
+        text = option_text(key, built_value(model_cfg, key))
+        if not text.startswith("no "):  # an option left out (unset, or a flag that is off)
+            words.append(text)
     return " ".join(words)
 
 

@@ -32,8 +32,6 @@ from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boole
                            fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset, set_unset_from)
 
 
-
-
 @dataclass
 class LionEncoderConfig(LionOptions):
     encoder_layers: Optional[int] = field(default=None,

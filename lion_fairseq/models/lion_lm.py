@@ -37,7 +37,6 @@ from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, boolean_optional, c
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class LionLMConfig(LionOptions):
     activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
