@@ -100,11 +100,11 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
         if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
             return self.generate(tokenized_sentences.unsqueeze(0), beam, verbose, skip_invalid_size_inputs,
                                  inference_step_args, prefix_allowed_tokens_fn, **kwargs)[0]
+        limit = min(model.max_positions() for model in self.models)  # bounded by learned positions only
         if kwargs.get("score_reference"):  # score(): nothing follows the text, which fits if its tokens do
             if not skip_invalid_size_inputs and len(tokenized_sentences):
                 # fairseq's own refusal names a command-line option (--skip-invalid-size-inputs-valid-test)
-                check_learned_positions(max(len(t) for t in tokenized_sentences),
-                                        min(model.max_positions() for model in self.models),
+                check_learned_positions(max(len(t) for t in tokenized_sentences), limit,
                                         shorter="a shorter text (or skip_invalid_size_inputs=True to skip it)",
                                         set_by="--max-target-positions / --tokens-per-sample")
             return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
@@ -118,7 +118,6 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
             # encode() ends a prompt with </s>, which the task strips before it becomes the prefix
             groups[len(tokens) - int(len(tokens) > 0 and tokens[-1] == eos)].append(i)
         outputs: List[Optional[List[Dict[str, torch.Tensor]]]] = [None] * len(tokenized_sentences)
-        limit = min(model.max_positions() for model in self.models)  # bounded by learned positions only
         room = limit - 1  # tokens of prompt and continuation: the generator keeps the last position for </s>
         for prompt, ids in groups.items():
             if prompt >= room:  # not one token to add

@@ -311,9 +311,9 @@ class _ChunkAttention(torch.autograd.Function):
         grid = _grid(log_f, log_b, G, N, C, ctx.bidirectional, q.dtype, q.device)
         fwd, bwd = grid.fwd, grid.bwd
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        # 1/(d + eps), 0 where d + eps = 0: with eps = 0, the rows padding L to whole chunks have no key
-        # (y = 0/0 there) and dy = 0, which must give 0, not 0 * inf
-        inv = torch.where(den + eps == 0, 0.0, 1.0 / (den + eps)) if normalize else None
+        inv = 1.0 / (den + eps) if normalize else None
+        if normalize and eps == 0:  # the rows padding L to whole chunks have no key (y = 0/0) and dy = 0:
+            inv.masked_fill_(den == 0, 0.0)  # their do and dden must be 0, not 0 * inf
         # gradients w.r.t. the entering states (dE, dZ; in the forward's contribution buffers, free by
         # now), then w.r.t. the chunks' contributions (dU, dUZ)
         dE = workspace("U", E.shape, E.dtype, E.device)
