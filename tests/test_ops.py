@@ -491,8 +491,10 @@ def test_bad_arguments_name_the_argument():
         lion_attention(q[0], k[0], v[0])
     with pytest.raises(ValueError, match="log_a_fwd"):
         lion_attention(q, k, v, f[..., :4])
-    with pytest.raises(ValueError, match="log_a_bwd"):
-        lion_attention(q, k, v, f, b[:1, :2])
+    for form in FORMS:  # every form, causal too, where the backward gate is not used
+        for causal in (False, True):
+            with pytest.raises(ValueError, match="log_a_bwd"):
+                lion_attention(q, k, v, f, b[:1, :2], form=form, causal=causal)
     with pytest.raises(ValueError, match="key_padding_mask"):
         lion_attention(q, k, v, key_padding_mask=torch.zeros(B, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask"):  # an additive float mask is not a padding mask
@@ -504,6 +506,9 @@ def test_bad_arguments_name_the_argument():
                            lion_attention(q, k, v, f, b, form=form, key_padding_mask=mask))
     with pytest.raises(ValueError, match="state"):
         lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1)))
+    _, state = lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0])
+    with pytest.raises(ValueError, match="log_a_t"):
+        lion_step(q[:, :, 1], k[:, :, 1], v[:, :, 1], f[:, :, :2], state)
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -10,7 +10,7 @@ from torch import Tensor
 from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
 from .float32 import accumulation_dtype, float32_math
-from .gates import LOG_GATE_MIN
+from .gates import LOG_GATE_MIN, check_gate_shape
 from .padding import bool_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
 from .parallel import parallel_attention
@@ -35,12 +35,7 @@ def _gate(log_a: Optional[Tensor], name: str, B: int, H: int, L: int, dtype: tor
     ``expand``), or None."""
     if log_a is None:
         return None
-    try:
-        shape = torch.broadcast_shapes(log_a.shape, (B, H, L))
-    except RuntimeError:
-        shape = None
-    if shape != (B, H, L):
-        raise ValueError(f"{name} must be broadcastable to (B, H, L) = {(B, H, L)}; got {tuple(log_a.shape)}")
+    check_gate_shape(log_a, name, (B, H, L))
     a = log_a.to(dtype).clamp(min=LOG_GATE_MIN)
     while a.dim() < 3:
         a = a.unsqueeze(0)
@@ -104,6 +99,9 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
                              f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
         key_padding_mask = bool_padding_mask(key_padding_mask)
+    for log_a, name in ((log_a_fwd, "log_a_fwd"), (log_a_bwd, "log_a_bwd")):  # log_a_bwd too where causal ignores it
+        if log_a is not None:
+            check_gate_shape(log_a, name, (B, H, L))
 
     if matmul_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from .float32 import accumulation_dtype, float32_math
-from .gates import LOG_GATE_MIN
+from .gates import LOG_GATE_MIN, check_gate_shape
 from .padding import mask_padded_keys
 
 State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
@@ -75,6 +75,8 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
         raise ValueError(f"q_t and k_t must both be (B, H, Dk); got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}")
     if v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
         raise ValueError(f"v_t must be (B, H, Dv) with the B, H of q_t; got {tuple(v_t.shape)}")
+    if log_a_t is not None:
+        check_gate_shape(log_a_t, "log_a_t", tuple(q_t.shape[:2]))
     dtype = accumulation_dtype(v_t)
     q, k, v = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
     kv = k[..., :, None] * v[..., None, :]
