@@ -83,27 +83,29 @@ def refused_object_message(path: str, error: BaseException) -> str:
             f"torch.serialization.add_safe_globals([{what}]) before loading it allows that class")
 
 
-def _numpy_scalars() -> List[type]:
-    """What pickles a numpy scalar: fairseq keeps sklearn's and scipy's metrics as the best checkpoint's
-    score (``--report-acc-and-f1``, ``--report-pearson-and-spearman``: MRPC, QQP, STS-B)."""
+def _numpy_values() -> List[Any]:
+    """What pickles numpy scalars and arrays: fairseq keeps sklearn's and scipy's metrics as the best
+    checkpoint's score (``--report-acc-and-f1``, ``--report-pearson-and-spearman``: MRPC, QQP, STS-B), and
+    ``--eval-bleu`` its BLEU counts as arrays among the meters every checkpoint saves."""
     import numpy as np
 
     try:
-        from numpy._core.multiarray import scalar
+        from numpy._core.multiarray import _reconstruct, scalar
     except ImportError:  # numpy < 2
-        from numpy.core.multiarray import scalar
-    return [scalar, np.dtype, *{type(np.dtype(t)) for t in (np.float64, np.float32, np.int64, np.int32, np.bool_)}]
+        from numpy.core.multiarray import _reconstruct, scalar
+    return [scalar, _reconstruct, np.ndarray, np.dtype,
+            *{type(np.dtype(t)) for t in (np.float64, np.float32, np.int64, np.int32, np.bool_)}]
 
 
 def _allowed_in_checkpoints(*more: type) -> contextlib.AbstractContextManager:
     """What fairseq's checkpoints hold besides tensors and containers, allowed in ``weights_only`` loads
-    inside the block (torch >= 2.5): ``argparse.Namespace`` (legacy ``args``), numpy scalars (a best
-    score), and the classes ``more``. On older torch, which has no such allowance and whose default load is
+    inside the block (torch >= 2.5): ``argparse.Namespace`` (legacy ``args``), numpy scalars and arrays (a
+    best score, BLEU counts), and the classes ``more``. On older torch, which has no such allowance and whose default load is
     not ``weights_only``, nothing."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     if safe_globals is None:
         return contextlib.nullcontext()
-    return safe_globals([argparse.Namespace, *_numpy_scalars(), *more])
+    return safe_globals([argparse.Namespace, *_numpy_values(), *more])
 
 
 def _wrap_broadcast_object(original):

@@ -446,8 +446,8 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
 
 def test_numpy_scores_load_and_a_refused_object_is_not_called_corrupt(runs, tmp_path):
     """fairseq keeps the best score as a numpy scalar where sklearn or scipy computed it (GLUE's MRPC, QQP,
-    STS-B: --report-acc-and-f1, --report-pearson-and-spearman), which torch's weights_only load refused:
-    such checkpoints load. An intact file holding an object that is still refused is said to be intact,
+    STS-B: --report-acc-and-f1, --report-pearson-and-spearman), and --eval-bleu's counts as numpy arrays in
+    its meters, which torch's weights_only load refused: such checkpoints load. An intact file holding an object that is still refused is said to be intact,
     naming the object, not truncated or corrupt."""
     import fractions
 
@@ -456,10 +456,12 @@ def test_numpy_scores_load_and_a_refused_object_is_not_called_corrupt(runs, tmp_
 
     state = torch.load(runs["lm"]["dir"]["straight"] / "checkpoint_last.pt", weights_only=True)
     state["extra_state"]["best"] = np.float64(0.8125)
+    state["extra_state"]["_bleu_counts"] = np.array([31, 17, 9, 4])  # --eval-bleu's, among the saved meters
     scored = tmp_path / "checkpoint_best.pt"
     torch.save(state, scored)
-    best = checkpoint_utils.load_checkpoint_to_cpu(str(scored))["extra_state"]["best"]
-    assert best == 0.8125 and isinstance(best, np.float64)
+    extra = checkpoint_utils.load_checkpoint_to_cpu(str(scored))["extra_state"]
+    assert extra["best"] == 0.8125 and isinstance(extra["best"], np.float64)
+    assert np.array_equal(extra["_bleu_counts"], [31, 17, 9, 4])
     assert "'lion_s_lm_tiny'" in check_checkpoint.explain(str(scored))
     state["extra_state"]["odd"] = fractions.Fraction(1, 3)
     odd = tmp_path / "checkpoint_odd.pt"
