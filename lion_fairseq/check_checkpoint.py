@@ -21,22 +21,35 @@ def explain(path: str) -> str:
             return refused_object_message(path, e)
         return unreadable_checkpoint_message(path, e)
     cfg = state.get("cfg") or {}
-    model_cfg = cfg.get("model") if hasattr(cfg, "get") else None
-    name = None
-    if model_cfg is not None:
-        name = model_cfg.get("_name") if hasattr(model_cfg, "get") else None
-    if name is None and state.get("args") is not None:
-        name = getattr(state["args"], "arch", None)
-    task = None
-    if hasattr(cfg, "get") and cfg.get("task") is not None:
-        task = cfg["task"].get("_name")
+    cfg = cfg if hasattr(cfg, "get") else {}
+    # a dataclass config's sections are dicts; a legacy model's (RoBERTa's) is an argparse.Namespace, inside
+    # cfg or as the checkpoint's ``args``
+    args = state.get("args")
+    name = _field(cfg.get("model"), "_name") or _field(cfg.get("model"), "arch") or _field(args, "arch")
+    task = _field(cfg.get("task"), "_name") or _field(args, "task")
     updates = (state.get("optimizer_history") or [{}])[-1].get("num_updates")
     where = f"{path}: model/arch {name!r}, task {task!r}, {updates} updates, {describe_weights(state.get('model', {}))}."
     if name and str(name).startswith("lion"):
         return (where + f" It was trained with this plugin: every fairseq command that reads it needs "
                 f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "
                 "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
+    student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
+    if student:
+        return (where + f" A softmax model that LION starts from: python -m lion_fairseq.convert {path} "
+                f"<out.pt> --arch {student} (or {student.replace('lion_s', 'lion_lit')}, {student.replace('lion_s', 'lion_d')}), or "
+                f"fairseq-train --user-dir {PACKAGE_DIR} --arch {student} --finetune-from-model {path}.")
     return where
+
+
+# a softmax model's arch (by its start) -> the LION arch that starts from it (lion_fairseq.convert)
+STARTS_FROM = (("roberta", "lion_s"), ("transformer_lm", "lion_s_lm"), ("transformer", "lion_s_transformer"))
+
+
+def _field(section, key: str):
+    """``section[key]`` of a config section, dict or ``argparse.Namespace`` (None for a missing one)."""
+    if section is None:
+        return None
+    return section.get(key) if hasattr(section, "get") else getattr(section, key, None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -93,6 +93,26 @@ def teacher_config(state: Dict) -> Dict[str, Any]:
     return config
 
 
+def teacher_bpe(state: Dict) -> Optional[Dict[str, Any]]:
+    """The BPE section of the teacher's config (``roberta.base``'s legacy args name gpt2), or None: what the
+    hub encodes text with, so the converted file keeps it."""
+    import dataclasses as dc
+
+    from fairseq.registry import REGISTRIES
+
+    if state.get("args") is None:
+        bpe = (state.get("cfg") or {}).get("bpe")
+        return dict(bpe) if bpe and bpe.get("_name") else None
+    args = state["args"]
+    name = getattr(args, "bpe", None)
+    if not name:
+        return None
+    fields = REGISTRIES["bpe"]["dataclass_registry"].get(name)
+    options = {f.name: getattr(args, f.name) for f in dc.fields(fields) if f.name != "_name" and hasattr(args, f.name)
+               } if fields else {}
+    return {"_name": name, **options}
+
+
 def trained_model(config: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
     """(arch, fairseq model name) that a checkpoint's ``teacher_config`` was trained as; None where unknown."""
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
@@ -223,8 +243,14 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     cfg = convert_namespace_to_omegaconf(ns)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
-    model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)  # converts (upgrade_state_dict_named)
-    torch.save({"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "args": None,
+    try:
+        model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)  # converts (upgrade_state_dict_named)
+    except RuntimeError as e:  # the load's own explanation (clear_errors), refused as the others are
+        raise ValueError(str(e)) from e
+    saved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    if saved.get("bpe") is None:  # no --bpe passed: the hub encodes as the teacher did
+        saved["bpe"] = teacher_bpe(state)
+    torch.save({"cfg": saved, "args": None,
                 "model": model.state_dict(), "criterion": None,
                 "optimizer_history": [{"criterion_name": target.criterion, "optimizer_name": "none",
                                        "lr_scheduler_state": {}, "num_updates": 0}],

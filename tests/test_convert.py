@@ -103,12 +103,13 @@ def test_softmax_tensors_copied_and_gates_by_rule(roberta, text_data_bin, varian
 
 def test_old_layout_loads_the_same(roberta, text_data_bin):
     """fairseq's released RoBERTa layout: ``decoder.sentence_encoder.*``, ``emb_layer_norm``, and one
-    ``in_proj_weight`` per attention: the same LION weights as the current layout."""
+    ``in_proj_weight`` per attention, and no ``version`` buffer (fairseq 0.9's ``TransformerSentenceEncoder``
+    had none): the same LION weights as the current layout."""
     state = torch.load(roberta, map_location="cpu", weights_only=False)["model"]
     old = {}
     for k, v in state.items():
-        k = k.replace("encoder.", "decoder.", 1).replace(".layernorm_embedding.", ".emb_layer_norm.")
-        old[k] = v
+        if not k.endswith("sentence_encoder.version"):
+            old[k.replace("encoder.", "decoder.", 1).replace(".layernorm_embedding.", ".emb_layer_norm.")] = v
     for layer in (0, 1):
         attn = f"decoder.sentence_encoder.layers.{layer}.self_attn."
         for kind in ("weight", "bias"):
@@ -117,6 +118,42 @@ def test_old_layout_loads_the_same(roberta, text_data_bin):
     a.load_state_dict(state, strict=True)
     b.load_state_dict(old, strict=True)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_convert_a_roberta_saved_as_released(roberta, tmp_path):
+    """``roberta.base`` as released: legacy ``args`` naming gpt2 BPE, the old layout with combined ``in_proj``
+    and no ``version`` buffer. It converts to the same LION weights as the current layout, and the file keeps
+    the teacher's BPE, which the hub encodes with (without it the hub splits text on whitespace)."""
+    import argparse
+
+    from lion_fairseq import convert
+
+    state = torch.load(roberta, map_location="cpu", weights_only=False)
+    old = {}
+    for k, v in state["model"].items():
+        if not k.endswith("sentence_encoder.version"):
+            old[k.replace("encoder.", "decoder.", 1).replace(".layernorm_embedding.", ".emb_layer_norm.")] = v
+    for layer in (0, 1):
+        attn = f"decoder.sentence_encoder.layers.{layer}.self_attn."
+        for kind in ("weight", "bias"):
+            old[attn + "in_proj_" + kind] = torch.cat([old.pop(attn + p + "_proj." + kind) for p in "qkv"])
+    args = argparse.Namespace(**dict(convert.teacher_config(state), arch="roberta_base", task="masked_lm", bpe="gpt2"))
+    released = tmp_path / "released"
+    released.mkdir()
+    torch.save({"args": args, "model": old, "optimizer_history": [{"num_updates": 40}], "extra_state": {},
+                "last_optimizer_state": None}, released / "model.pt")
+    shutil.copy(roberta.parent / "dict.txt", released / "dict.txt")
+    assert convert.main([str(roberta), str(tmp_path / "current.pt"), "--arch", "lion_s_tiny"]) == 0
+    assert convert.main([str(released / "model.pt"), str(tmp_path / "released.pt"), "--arch", "lion_s_tiny"]) == 0
+    current, converted = (torch.load(tmp_path / f, weights_only=True) for f in ("current.pt", "released.pt"))
+    assert current["model"].keys() == converted["model"].keys()
+    assert all(torch.equal(current["model"][k], converted["model"][k]) for k in current["model"])
+    assert converted["cfg"]["bpe"]["_name"] == "gpt2" and current["cfg"]["bpe"] is None
+    from lion_fairseq.check_checkpoint import explain
+
+    for teacher in (roberta, released / "model.pt"):  # the dataclass config's Namespace, and legacy args
+        text = explain(str(teacher))
+        assert "model/arch 'roberta_base', task 'masked_lm'" in text and "lion_fairseq.convert" in text, text
 
 
 @pytest.mark.parametrize("extra,option", [(["--encoder-ffn-embed-dim", "96"], "--encoder-ffn-embed-dim"),
@@ -338,6 +375,18 @@ def test_lm_tensors_copied_gates_by_rule_positions_kept_or_dropped(transformer_l
     new = set(mine) - set(teacher)
     assert len(new) == {"lit": 0, "d": 2, "s": 4}[variant]
     assert_gates_by_rule(mine, "decoder.layers.", variant)
+
+
+def test_lm_a_tied_teacher_into_an_untied_model_is_said(transformer_lm, text_data_bin, caplog):
+    """A teacher trained with --share-decoder-input-output-embed loads into a model without it (the same
+    values twice), which then trains two tables: the log says so, naming the option; a tied model is quiet."""
+    state = state_of(transformer_lm)
+    state["decoder.output_projection.weight"] = state["decoder.embed_tokens.weight"]  # saved tied: one storage
+    for tie, said in (([], True), (["--share-decoder-input-output-embed"], False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            lion_lm(text_data_bin, "lion_s_lm_tiny", *tie)[1].load_state_dict(dict(state), strict=True)
+        assert ("pass --share-decoder-input-output-embed" in caplog.text) == said, caplog.text
 
 
 def valid_bits(task, model) -> float:

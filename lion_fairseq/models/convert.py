@@ -72,6 +72,7 @@ class Layout:
     droppable: str            # the teacher's tensors this LION model may drop
     structure: str            # the options that shape the architecture beyond the attention
     untie: str                # what to pass when the model ties tensors that the teacher kept apart
+    tie: str                  # what to pass when the teacher ties tensors that the model keeps apart
     extra: Patterns = ()      # (pattern, why and what to pass) for a tensor the checkpoint has, the model not
     missing: Patterns = ()    # likewise for a tensor the model has, the checkpoint not
 
@@ -89,6 +90,7 @@ ROBERTA = Layout(
     droppable=r"(^|\.)version$|embed_positions\.|_float_tensor$",
     structure="pass the teacher's --encoder-normalize-before, --layernorm-embedding or --untie-weights-roberta",
     untie="pass --untie-weights-roberta, as the teacher was trained",
+    tie="drop --untie-weights-roberta",
 )
 
 LANGUAGE_MODEL = Layout(
@@ -101,6 +103,7 @@ LANGUAGE_MODEL = Layout(
     structure="pass the teacher's --decoder-normalize-before / --no-decoder-normalize-before and "
               "--no-decoder-final-norm",
     untie="drop --share-decoder-input-output-embed: the teacher's input and output embeddings are separate",
+    tie="pass --share-decoder-input-output-embed",
     extra=((r"^decoder\.layer_norm\.",
             "the teacher is pre-norm with a final LayerNorm: pass --decoder-normalize-before (the default) "
             "without --no-decoder-final-norm"),
@@ -132,6 +135,7 @@ TRANSLATION = Layout(
     structure="pass the teacher's --encoder-normalize-before, --decoder-normalize-before, --layernorm-embedding, "
               "--encoder-learned-pos, --decoder-learned-pos or --no-token-positional-embeddings",
     untie="drop --share-all-embeddings / --share-decoder-input-output-embed: the teacher's embeddings are separate",
+    tie="pass the teacher's --share-all-embeddings or --share-decoder-input-output-embed",
     extra=((r"embed_positions\.weight",
             "the teacher has learned positions: pass --encoder-learned-pos and --decoder-learned-pos as it was "
             "trained (or --lion-positions learned for both)"),),
@@ -159,9 +163,13 @@ def _layers(keys, stack: str) -> int:
 
 
 def is_softmax_roberta(state_dict: Dict[str, Tensor], prefix: str = "") -> bool:
-    """A fairseq RoBERTa's weights (after RoBERTa's own renaming of ``decoder.`` to ``encoder.``): its
-    encoder is fairseq's ``TransformerEncoder``, whose ``version`` buffer no LION encoder has."""
-    return prefix + "encoder.sentence_encoder.version" in state_dict
+    """A fairseq RoBERTa's weights, before RoBERTa's own renaming of ``decoder.`` to ``encoder.``: today's
+    encoder is fairseq's ``TransformerEncoder``, whose ``version`` buffer no LION encoder has; older fairseq's
+    (``TransformerSentenceEncoder``: ``roberta.base`` and ``roberta.large`` as released, with combined
+    ``in_proj`` weights) has no such buffer, but its weights lie under ``decoder.sentence_encoder.``, where no
+    LION checkpoint's do."""
+    return (prefix + "encoder.sentence_encoder.version" in state_dict
+            or any(k.startswith(prefix + "decoder.sentence_encoder.") for k in state_dict))
 
 
 def is_softmax_lm(state_dict: Dict[str, Tensor], prefix: str = "") -> bool:
@@ -193,6 +201,7 @@ def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str
     _fit_shapes(state_dict, own, prefix, layout)
     added = _add_lion_own(state_dict, own, prefix, layout)
     _check_ties(model, state_dict, prefix, layout)
+    _warn_untied(model, state_dict, prefix, layout)
     if dropped:
         logger.info(f"lion: from the softmax checkpoint, dropped what this LION model has no use for: "
                     f"{_summary(dropped)}")
@@ -277,6 +286,19 @@ def _check_ties(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str, la
         first = state_dict[prefix + tied[0]]
         if not all(torch.equal(first, state_dict[prefix + n]) for n in tied[1:]):
             raise ValueError(f"this model ties {' and '.join(tied)}, which differ in the checkpoint: {layout.untie}")
+
+
+def _warn_untied(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
+    """Tensors the teacher tied (saved as one storage under two names) that the model keeps apart load, but
+    train as two, with more parameters than the teacher: said, since the teacher's options were meant."""
+    separate = {prefix + name for name, _ in model.named_parameters()}  # one name per parameter
+    names: Dict[Tuple[int, Tuple[int, ...]], List[str]] = {}
+    for key, value in state_dict.items():
+        if key in separate and value.numel():
+            names.setdefault((value.data_ptr(), tuple(value.shape)), []).append(key[len(prefix):])
+    for tied in (n for n in names.values() if len(n) > 1):
+        logger.warning(f"lion: the teacher ties {' and '.join(tied)}, which this model trains apart: {layout.tie} "
+                       "to keep them one tensor, as the teacher has them")
 
 
 def _summary(names: List[str]) -> str:

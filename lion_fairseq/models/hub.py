@@ -50,8 +50,8 @@ def bpe_from_data(hub, folders: Iterable[Optional[str]]) -> None:
     warnings.warn(f"hub: no BPE was passed or named by the checkpoint, and there is no {SPM} in "
                   f"{' or '.join(f for f in folders if f)}: inputs are split on whitespace into dictionary "
                   "entries (right for word-level data; for BPE data pass bpe=..., e.g. bpe='sentencepiece', "
-                  "sentencepiece_model=..., or bpe='subword_nmt', bpe_codes=... for subword-nmt data such as "
-                  "fairseq's IWSLT'14)", stacklevel=3)
+                  "sentencepiece_model=..., bpe='gpt2' for a model started from roberta.base, or "
+                  "bpe='subword_nmt', bpe_codes=... for subword-nmt data such as fairseq's IWSLT'14)", stacklevel=3)
 
 
 def generation_keywords_message(unknown: Iterable[str], known: Iterable[str]) -> str:

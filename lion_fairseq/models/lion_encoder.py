@@ -267,9 +267,10 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
         (``models/convert.py``): what fairseq runs before every strict load, so ``--finetune-from-model
         roberta.base/model.pt`` and ``--restore-file`` with ``--reset-*`` start LION from it. What the
         weights cannot show is logged: it must be the teacher's."""
-        super().upgrade_state_dict_named(state_dict, name)
         prefix = name + "." if name else ""
-        if is_softmax_roberta(state_dict, prefix):
+        softmax = is_softmax_roberta(state_dict, prefix)  # read before RoBERTa's renaming hides older layouts
+        super().upgrade_state_dict_named(state_dict, name)
+        if softmax:
             softmax_to_lion(self, state_dict, prefix, unseen=self.encoder.sentence_encoder.unseen)
 
     @classmethod
