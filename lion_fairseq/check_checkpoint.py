@@ -60,10 +60,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="print only the options a LION checkpoint was trained as (--arch, its sizes, layer "
                              "structure and LION options), "
                              "one line each; an empty line for another checkpoint (for scripts)")
+    parser.add_argument("--max-positions", action="store_true",
+                        help="print only the sequence length an encoder checkpoint was trained at (its "
+                             "--max-positions), one line each; an empty line where it has none (for scripts)")
     args = parser.parse_args(argv)
-    if args.options:
+    if args.options or args.max_positions:
         for path in args.checkpoints:
-            print(trained_as_options((load_checkpoint_file(path).get("cfg") or {}).get("model")) or "")
+            state = load_checkpoint_file(path)
+            model_cfg = (state.get("cfg") or {}).get("model")
+            if args.options:
+                print(trained_as_options(model_cfg) or "")
+            else:
+                print(_field(model_cfg, "max_positions") or _field(state.get("args"), "max_positions") or "")
         return 0
     bad = 0
     for path in args.checkpoints:

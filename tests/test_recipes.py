@@ -371,6 +371,16 @@ def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, 
     out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, tmp_path / "none.pt", tmp_path],
                    ok=False)
     assert "PRETRAINED_CHECKPOINT" in out and "not found" in out
+    # the length the encoder was pretrained at (roberta.base's 512, here 256), unless MAX_POSITIONS says otherwise
+    state = torch.load(ckpt, weights_only=True)
+    state["cfg"]["model"]["max_positions"] = 256
+    longer = tmp_path / "longer.pt"
+    torch.save(state, longer)
+    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, longer, tmp_path], PRECISION="fp32")
+    assert option(args, "--max-positions") == "256"
+    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, longer, tmp_path], PRECISION="fp32",
+                    MAX_POSITIONS="64")
+    assert option(args, "--max-positions") == "64"
 
 
 def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path):

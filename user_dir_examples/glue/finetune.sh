@@ -5,7 +5,8 @@
 # the task is a regression and the training size. Environment (defaults in brackets):
 #   ARCH [the pretrained checkpoint's, with its sizes; lion_s for another kind]
 #   TASK [from TASK_DATA_BIN's folder name, for the metric]
-#   LR [1e-5]   MAX_EPOCH [10]   BATCH_SIZE [32]   MAX_POSITIONS [128, as in pretraining]   WEIGHT_DECAY [0.1]
+#   LR [1e-5]   MAX_EPOCH [10]   BATCH_SIZE [32]   WEIGHT_DECAY [0.1]
+#   MAX_POSITIONS [the length the checkpoint was pretrained at (roberta.base: 512), else 128]
 #   MAX_UPDATE [MAX_EPOCH epochs]   WARMUP_UPDATES [6%]   NUM_CLASSES (only without preprocess.json)
 #   LION_FORM [chunk]   PRECISION [fp16 on GPU, fp32 on CPU]   SEED [1]
 set -euo pipefail
@@ -23,6 +24,11 @@ else  # the arch, sizes and options the checkpoint was trained as (lion_s for a 
   ARCH=${ARCH_OPTS[1]}
 fi
 encoder_arch "$ARCH"
+if [ -z "${MAX_POSITIONS:-}" ]; then
+  MAX_POSITIONS=$(python -m lion_fairseq.check_checkpoint --max-positions "$CKPT" 2>/dev/null) || true
+  MAX_POSITIONS=${MAX_POSITIONS:-128}
+fi
+is_int "$MAX_POSITIONS" || die "MAX_POSITIONS must be a whole number, got '$MAX_POSITIONS'"
 
 BATCH_SIZE=${BATCH_SIZE:-32}
 MAX_EPOCH=${MAX_EPOCH:-10}
@@ -64,7 +70,7 @@ run fairseq-train "$DATA" --user-dir "$USER_DIR" --restore-file "$CKPT" \
   --reset-optimizer --reset-dataloader --reset-meters \
   --task sentence_prediction --criterion sentence_prediction "${ARCH_OPTS[@]}" --lion-form "${LION_FORM:-chunk}" \
   --num-classes "$NUM_CLASSES" --init-token 0 --separator-token 2 \
-  --max-positions "${MAX_POSITIONS:-128}" --shorten-method truncate \
+  --max-positions "$MAX_POSITIONS" --shorten-method truncate \
   --batch-size "$BATCH_SIZE" --required-batch-size-multiple 1 \
   --dropout 0.1 --attention-dropout 0.1 --weight-decay "${WEIGHT_DECAY:-0.1}" \
   --optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-6 --clip-norm 0.0 \
