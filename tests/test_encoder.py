@@ -256,6 +256,9 @@ def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
     (["--lion-form", "fft"], r"--lion-form.*invalid choice: 'fft'"),
     (["--lion-chunk-size", "0"], r"--lion-chunk-size must be an integer >= 1"),
     (["--lion-feature-map", "identity"], r"--lion-feature-map identity .*--no-lion-normalize"),
+    # the tiny arch's 2 heads at another width are fine; lion_d's 12 at a tiny width are not
+    (["--arch", "lion_d", "--encoder-layers", "2", "--encoder-embed-dim", "128", "--encoder-ffn-embed-dim", "256"],
+     r"--encoder-embed-dim 128 must be divisible by --encoder-attention-heads 12"),
 ])
 def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, message):
     with pytest.raises(AssertionError, match=message):

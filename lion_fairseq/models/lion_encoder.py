@@ -77,6 +77,9 @@ def complete_encoder_config(cfg: Any, task, fill_defaults: Callable[[Any], None]
         fill_defaults(cfg)
         if cfg.max_positions is None:
             cfg.max_positions = task.max_positions()
+    if cfg.encoder_embed_dim % cfg.encoder_attention_heads:  # an arch's heads kept at another width
+        raise ValueError(f"--encoder-embed-dim {cfg.encoder_embed_dim} must be divisible by "
+                         f"--encoder-attention-heads {cfg.encoder_attention_heads}: pass a head count that divides it")
     lion_attention_kwargs(cfg)
 
 
