@@ -35,9 +35,10 @@ def explain(path: str) -> str:
                 "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
     student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
     if student:
-        return (where + f" A softmax model that LION starts from: python -m lion_fairseq.convert {path} "
-                f"<out.pt> --arch {student} (or {student.replace('lion_s', 'lion_lit')}, {student.replace('lion_s', 'lion_d')}), or "
-                f"fairseq-train --user-dir {PACKAGE_DIR} --arch {student} --finetune-from-model {path}.")
+        others = ", ".join(student.replace("lion_s", v) for v in ("lion_lit", "lion_d"))
+        return (where + f" A softmax model that LION starts from: python -m lion_fairseq.convert {path} <out.pt> "
+                f"--arch {student} (or {others}) takes its sizes from it and prints the fairseq-train command that "
+                "trains on from there.")
     return where
 
 

@@ -100,8 +100,8 @@ def _numpy_values() -> List[Any]:
 def _allowed_in_checkpoints(*more: type) -> contextlib.AbstractContextManager:
     """What fairseq's checkpoints hold besides tensors and containers, allowed in ``weights_only`` loads
     inside the block (torch >= 2.5): ``argparse.Namespace`` (legacy ``args``), numpy scalars and arrays (a
-    best score, BLEU counts), and the classes ``more``. On older torch, which has no such allowance and whose default load is
-    not ``weights_only``, nothing."""
+    best score, BLEU counts), and the classes ``more``. On older torch, which has no such allowance and whose
+    default load is not ``weights_only``, nothing."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     if safe_globals is None:
         return contextlib.nullcontext()

@@ -447,8 +447,8 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
 def test_numpy_scores_load_and_a_refused_object_is_not_called_corrupt(runs, tmp_path):
     """fairseq keeps the best score as a numpy scalar where sklearn or scipy computed it (GLUE's MRPC, QQP,
     STS-B: --report-acc-and-f1, --report-pearson-and-spearman), and --eval-bleu's counts as numpy arrays in
-    its meters, which torch's weights_only load refused: such checkpoints load. An intact file holding an object that is still refused is said to be intact,
-    naming the object, not truncated or corrupt."""
+    its meters, which torch's weights_only load refused: such checkpoints load. An intact file holding an
+    object that is still refused is said to be intact, naming the object, not truncated or corrupt."""
     import fractions
 
     import numpy as np
