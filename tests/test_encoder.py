@@ -218,6 +218,9 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin):
     lit.register_classification_head("head", num_classes=2)
     with pytest.raises(ValueError, match=r"321 tokens exceeds the 64 learned positions"):
         lit.predict("head", long)
+    lit.bpe = Words()  # the hub's advice, not the command line's
+    with pytest.raises(ValueError, match=r"66 tokens exceeds the 64 learned positions.*use a shorter input"):
+        lit.fill_mask(" ".join(["the"] * 63) + " <mask>")
 
 
 def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):

@@ -185,6 +185,20 @@ def test_from_pretrained_refuses_another_model_and_a_missing_folder(trained, tex
     # the data argument left out: the checkpoint's folder has no dict.txt, and the message names the argument
     with pytest.raises(FileNotFoundError, match=r"has no dict\.txt: pass the folder of the data .* third argument"):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name)
+    # "./data" meant from the current folder, which fairseq reads inside the checkpoint's: the message says so
+    cwd = os.getcwd()
+    try:
+        os.chdir(text_data_bin.parent)
+        with pytest.raises(FileNotFoundError, match=r"inside the checkpoint's folder; from the current folder, pass "
+                                                    + re.escape(repr(str(text_data_bin)))):
+            LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, "./" + text_data_bin.name)
+    finally:
+        os.chdir(cwd)
+    # the checkpoint file where its folder goes, and a checkpoint name that is not there: what to pass
+    with pytest.raises(ValueError, match=re.escape(f"from_pretrained({str(ckpt.parent)!r}, {ckpt.name!r}")):
+        LionLanguageModel.from_pretrained(str(ckpt), data_name_or_path=str(text_data_bin))
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint 'model.pt' in .*there: .*{ckpt.name}"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), "model.pt", str(text_data_bin))
 
 
 def test_hub_sample_and_interactive(trained, text_data_bin):

@@ -105,7 +105,8 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
             if not skip_invalid_size_inputs and len(tokenized_sentences):
                 # fairseq's own refusal names a command-line option (--skip-invalid-size-inputs-valid-test)
                 check_learned_positions(max(len(t) for t in tokenized_sentences), limit,
-                                        shorter="a shorter text (or skip_invalid_size_inputs=True to skip it)",
+                                        shorter="a shorter text (or, among a list of texts, "
+                                                "skip_invalid_size_inputs=True to leave it out of the results)",
                                         set_by="--max-target-positions / --tokens-per-sample")
             return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
                                     prefix_allowed_tokens_fn, **kwargs)
@@ -126,8 +127,9 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
                 raise ValueError(
                     f"a prompt of {prompt} tokens leaves no room to continue in this model's {limit} learned "
                     f"positions (--lion-positions learned, LION-LIT's default; the generator keeps the last for "
-                    f"</s>): use a prompt of at most {room - 1} tokens (or skip_invalid_size_inputs=True to skip "
-                    "it), or train with --lion-positions none, or LION-D / LION-S, which have no length limit")
+                    f"</s>): use a prompt of at most {room - 1} tokens (or, among a list of prompts, "
+                    "skip_invalid_size_inputs=True to leave it out of the results), or train with --lion-positions "
+                    "none, or LION-D / LION-S, which have no length limit")
             wanted, least = int(per_prompt * prompt + new), min_new
             if prompt + wanted > room:
                 warnings.warn(f"a prompt of {prompt} tokens continues by at most {room - prompt} tokens, not "
@@ -152,12 +154,26 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
     continuation returned as a translation, say)."""
     from fairseq import hub_utils
 
+    where = f"{cls.__name__}.from_pretrained"
+    if os.path.isfile(model_name_or_path):
+        raise ValueError(f"{where}: {model_name_or_path} is a checkpoint file; pass its folder and its name, "
+                         f"from_pretrained({os.path.dirname(model_name_or_path) or '.'!r}, "
+                         f"{os.path.basename(model_name_or_path)!r}, <data folder>)")
     # fairseq reads a data path that starts with "." inside the checkpoint's folder
     data = (os.path.join(model_name_or_path, data_name_or_path) if str(data_name_or_path).startswith(".")
             else data_name_or_path)
     for path, what in ((model_name_or_path, "the checkpoint's folder"), (data, "the data folder")):
         if path and "://" not in str(path) and path not in cls.hub_models() and not os.path.exists(path):
-            raise FileNotFoundError(f"{cls.__name__}.from_pretrained: {what} {path} does not exist")
+            here = (f" (fairseq reads a data path that starts with '.' inside the checkpoint's folder; from the "
+                    f"current folder, pass {os.path.abspath(data_name_or_path)!r})"
+                    if path != data_name_or_path and os.path.isdir(data_name_or_path) else "")
+            raise FileNotFoundError(f"{where}: {what} {path} does not exist{here}")
+    missing = [f for f in checkpoint_file.split(os.pathsep)  # fairseq's ensembles: a.pt:b.pt
+               if os.path.isdir(model_name_or_path) and not os.path.isfile(os.path.join(model_name_or_path, f))]
+    if missing:
+        found = sorted(f for f in os.listdir(model_name_or_path) if f.endswith(".pt"))
+        raise FileNotFoundError(f"{where}: no checkpoint {missing[0]!r} in {model_name_or_path} (the second "
+                                f"argument, checkpoint_file); there: {', '.join(found) or 'no .pt files'}")
     try:
         x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
                                       archive_map=cls.hub_models(), **kwargs)
