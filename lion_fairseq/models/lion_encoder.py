@@ -233,7 +233,8 @@ class LionHubInterface(RobertaHubInterface):
         d = self.task.source_dictionary
         spans = " <mask> ".join(self.bpe.encode(span.rstrip()) for span in masked_input.split("<mask>")).strip()
         tokens = d.encode_line("<s> " + spans + " </s>", append_eos=False, add_if_not_exist=False).long()
-        check_learned_positions(tokens.numel(), self.model.max_positions(), shorter="a shorter input (<s> and </s> count)")
+        check_learned_positions(tokens.numel(), self.model.max_positions(),
+                                shorter="a shorter input (<s> and </s> count)")
         at = int((tokens == mask_idx).nonzero(as_tuple=False)[0])
         with utils.model_eval(self.model), torch.no_grad():
             logits, _ = self.model(tokens.unsqueeze(0).to(device=self.device), features_only=False)
