@@ -204,6 +204,15 @@ def test_interactive_score_and_hub(mt_data, trained, tmp_path):
 
     hub = LionTransformerModel.from_pretrained(str(trained.parent), trained.name, str(mt_data), beam=2)
     assert len(hub.translate("w1 w2 w3").split()) >= 1
+    # past the model's max positions: the hub's advice, and its fix for sinusoidal positions, which works
+    limit = hub.models[0].max_positions()[0]
+    long = " ".join(["w1"] * (limit + 20))
+    with pytest.raises(ValueError, match=rf"a text of {limit + 21} tokens is past this model's max_positions.*"
+                                         "max_source_positions"):
+        hub.translate(long)
+    longer = LionTransformerModel.from_pretrained(str(trained.parent), trained.name, str(mt_data), beam=1,
+                                                  max_source_positions=limit + 100, max_len_b=5)
+    assert len(longer.translate(long).split()) >= 1
     assert torch.load(trained, weights_only=True)["cfg"]["model"]["_name"] == "lion_s_transformer_tiny"
 
 

@@ -70,7 +70,9 @@ def generation_keywords_message(unknown: Iterable[str], known: Iterable[str]) ->
 
 class CheckedGeneratorHubInterface(GeneratorHubInterface):
     """fairseq's ``GeneratorHubInterface`` (``sample``, ``translate``, ``generate``), refusing a keyword that
-    is no generation option (``temprature=0.5``, ``seed=7``), which fairseq accepts and ignores."""
+    is no generation option (``temprature=0.5``, ``seed=7``), which fairseq accepts and ignores, and saying
+    what to do with a text past the model's length limit in the hub's terms (fairseq's own message names a
+    command-line option)."""
 
     def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
                  skip_invalid_size_inputs: bool = False, inference_step_args=None, prefix_allowed_tokens_fn=None,
@@ -79,8 +81,18 @@ class CheckedGeneratorHubInterface(GeneratorHubInterface):
         unknown = set(kwargs) - set(options.keys()) if hasattr(options, "keys") else set()
         if unknown:
             raise ValueError(generation_keywords_message(unknown, options.keys()))
-        return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
-                                prefix_allowed_tokens_fn, **kwargs)
+        try:
+            return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
+                                    prefix_allowed_tokens_fn, **kwargs)
+        except Exception as e:
+            found = re.match(r"Size of sample #\d+ is invalid .* since max_positions=(.*), skip", str(e))
+            if found is None:
+                raise
+            longest = max(len(t) for t in tokenized_sentences)
+            raise ValueError(f"a text of {longest} tokens is past this model's max_positions {found.group(1)}: "
+                             "use a shorter text (or, among a list of texts, skip_invalid_size_inputs=True to leave "
+                             "it out of the results); positions without weights (fairseq's sinusoidal ones) go further "
+                             "when from_pretrained is given larger max_source_positions / max_target_positions") from e
 
 
 class ContinuationHubInterface(CheckedGeneratorHubInterface):
