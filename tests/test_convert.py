@@ -101,11 +101,10 @@ def test_softmax_tensors_copied_and_gates_by_rule(roberta, text_data_bin, varian
     assert len(new) == {"lit": 0, "d": 2, "s": 4}[variant]
 
 
-def test_old_layout_loads_the_same(roberta, text_data_bin):
-    """fairseq's released RoBERTa layout: ``decoder.sentence_encoder.*``, ``emb_layer_norm``, and one
-    ``in_proj_weight`` per attention, and no ``version`` buffer (fairseq 0.9's ``TransformerSentenceEncoder``
-    had none): the same LION weights as the current layout."""
-    state = torch.load(roberta, map_location="cpu", weights_only=False)["model"]
+def released_layout(state):
+    """A RoBERTa's weights as fairseq released ``roberta.base``: ``decoder.sentence_encoder.*``,
+    ``emb_layer_norm``, one ``in_proj_weight`` per attention, and no ``version`` buffer (fairseq 0.9's
+    ``TransformerSentenceEncoder`` had none)."""
     old = {}
     for k, v in state.items():
         if not k.endswith("sentence_encoder.version"):
@@ -114,6 +113,13 @@ def test_old_layout_loads_the_same(roberta, text_data_bin):
         attn = f"decoder.sentence_encoder.layers.{layer}.self_attn."
         for kind in ("weight", "bias"):
             old[attn + "in_proj_" + kind] = torch.cat([old.pop(attn + p + "_proj." + kind) for p in "qkv"])
+    return old
+
+
+def test_old_layout_loads_the_same(roberta, text_data_bin):
+    """fairseq's released RoBERTa layout: the same LION weights as the current layout."""
+    state = torch.load(roberta, map_location="cpu", weights_only=False)["model"]
+    old = released_layout(state)
     a, b = lion(text_data_bin, "lion_s_tiny"), lion(text_data_bin, "lion_s_tiny")
     a.load_state_dict(state, strict=True)
     b.load_state_dict(old, strict=True)
@@ -129,14 +135,7 @@ def test_convert_a_roberta_saved_as_released(roberta, tmp_path):
     from lion_fairseq import convert
 
     state = torch.load(roberta, map_location="cpu", weights_only=False)
-    old = {}
-    for k, v in state["model"].items():
-        if not k.endswith("sentence_encoder.version"):
-            old[k.replace("encoder.", "decoder.", 1).replace(".layernorm_embedding.", ".emb_layer_norm.")] = v
-    for layer in (0, 1):
-        attn = f"decoder.sentence_encoder.layers.{layer}.self_attn."
-        for kind in ("weight", "bias"):
-            old[attn + "in_proj_" + kind] = torch.cat([old.pop(attn + p + "_proj." + kind) for p in "qkv"])
+    old = released_layout(state["model"])
     args = argparse.Namespace(**dict(convert.teacher_config(state), arch="roberta_base", task="masked_lm", bpe="gpt2"))
     released = tmp_path / "released"
     released.mkdir()
