@@ -63,7 +63,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "one line each; an empty line for another checkpoint (for scripts)")
     parser.add_argument("--max-positions", action="store_true",
                         help="print only the sequence length an encoder checkpoint was trained at (its "
-                             "--max-positions), one line each; an empty line where it has none (for scripts)")
+                             "--max-positions), one line each (after --options' line, with both); an empty line "
+                             "where it has none (for scripts)")
     args = parser.parse_args(argv)
     if args.options or args.max_positions:
         for path in args.checkpoints:
@@ -71,7 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             model_cfg = (state.get("cfg") or {}).get("model")
             if args.options:
                 print(trained_as_options(model_cfg) or "")
-            else:
+            if args.max_positions:  # with --options, on the line after it
                 print(_field(model_cfg, "max_positions") or _field(state.get("args"), "max_positions") or "")
         return 0
     bad = 0

@@ -16,18 +16,19 @@ DATA=$1; CKPT=$2; SAVE=$3; shift 3
 [ -d "$DATA/input0" ] && [ -d "$DATA/label" ] || die "TASK_DATA_BIN $DATA lacks input0/ and label/: make it with prepare.sh"
 [ -f "$CKPT" ] || die "PRETRAINED_CHECKPOINT $CKPT not found"
 need fairseq-train
+# the arch, sizes and options the checkpoint was trained as, and the length it was trained at
+TRAINED_AS=(); TRAINED_POSITIONS=""
+{ read -r -a TRAINED_AS; read -r TRAINED_POSITIONS; } < <(
+  python -m lion_fairseq.check_checkpoint --options --max-positions "$CKPT") || true
 if [ -n "${ARCH:-}" ]; then
   ARCH_OPTS=(--arch "$ARCH")
-else  # the arch, sizes and options the checkpoint was trained as (lion_s for a checkpoint of another kind)
-  read -r -a ARCH_OPTS < <(python -m lion_fairseq.check_checkpoint --options "$CKPT") || true
+else  # lion_s for a checkpoint of another kind
+  ARCH_OPTS=("${TRAINED_AS[@]}")
   [ ${#ARCH_OPTS[@]} -gt 0 ] || ARCH_OPTS=(--arch lion_s)
   ARCH=${ARCH_OPTS[1]}
 fi
 encoder_arch "$ARCH"
-if [ -z "${MAX_POSITIONS:-}" ]; then
-  MAX_POSITIONS=$(python -m lion_fairseq.check_checkpoint --max-positions "$CKPT" 2>/dev/null) || true
-  MAX_POSITIONS=${MAX_POSITIONS:-128}
-fi
+MAX_POSITIONS=${MAX_POSITIONS:-${TRAINED_POSITIONS:-128}}
 is_int "$MAX_POSITIONS" || die "MAX_POSITIONS must be a whole number, got '$MAX_POSITIONS'"
 
 BATCH_SIZE=${BATCH_SIZE:-32}
