@@ -20,8 +20,7 @@ def explain(path: str) -> str:
         if "Weights only load failed" in str(e):
             return refused_object_message(path, e)
         return unreadable_checkpoint_message(path, e)
-    cfg = state.get("cfg") or {}
-    cfg = cfg if hasattr(cfg, "get") else {}
+    cfg = state.get("cfg") if hasattr(state.get("cfg"), "get") else {}
     # a dataclass config's sections are dicts; a legacy model's (RoBERTa's) is an argparse.Namespace, inside
     # cfg or as the checkpoint's ``args``
     args = state.get("args")

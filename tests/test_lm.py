@@ -177,8 +177,10 @@ def test_from_pretrained_refuses_another_model_and_a_missing_folder(trained, tex
             cls.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin))
     for args in ((str(ckpt.parent / "nope"), ckpt.name, str(text_data_bin)),
                  (str(ckpt.parent), ckpt.name, str(text_data_bin / "nope"))):
-        with pytest.raises(FileNotFoundError, match=r"from_pretrained: the (checkpoint's|data) folder .*nope does not"):
+        with pytest.raises(FileNotFoundError, match=r"from_pretrained: the (checkpoint's|data) folder .*nope does not"
+                           ) as refused:
             LionLanguageModel.from_pretrained(*args)
+        assert "starts with '.'" not in str(refused.value)  # that hint is for a "./data" path only
     # fairseq reads a data path that starts with "." inside the checkpoint's folder: so is it checked
     relative = os.path.relpath(text_data_bin, ckpt.parent)
     assert relative.startswith(".") and LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, relative)

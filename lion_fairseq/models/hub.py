@@ -174,18 +174,20 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
     # fairseq reads a data path that starts with "." inside the checkpoint's folder
     data = (os.path.join(model_name_or_path, data_name_or_path) if str(data_name_or_path).startswith(".")
             else data_name_or_path)
-    for path, what in ((model_name_or_path, "the checkpoint's folder"), (data, "the data folder")):
+    # a "./data" meant from the current folder: the data entry says where fairseq looked instead
+    here = (f" (fairseq reads a data path that starts with '.' inside the checkpoint's folder; from the current "
+            f"folder, pass {os.path.abspath(data_name_or_path)!r})"
+            if data != data_name_or_path and os.path.isdir(data_name_or_path) else "")
+    for path, what, hint in ((model_name_or_path, "the checkpoint's folder", ""), (data, "the data folder", here)):
         if path and "://" not in str(path) and path not in cls.hub_models() and not os.path.exists(path):
-            here = (f" (fairseq reads a data path that starts with '.' inside the checkpoint's folder; from the "
-                    f"current folder, pass {os.path.abspath(data_name_or_path)!r})"
-                    if path != data_name_or_path and os.path.isdir(data_name_or_path) else "")
-            raise FileNotFoundError(f"{where}: {what} {path} does not exist{here}")
-    missing = [f for f in checkpoint_file.split(os.pathsep)  # fairseq's ensembles: a.pt:b.pt
-               if os.path.isdir(model_name_or_path) and not os.path.isfile(os.path.join(model_name_or_path, f))]
-    if missing:
-        found = sorted(f for f in os.listdir(model_name_or_path) if f.endswith(".pt"))
-        raise FileNotFoundError(f"{where}: no checkpoint {missing[0]!r} in {model_name_or_path} (the second "
-                                f"argument, checkpoint_file); there: {', '.join(found) or 'no .pt files'}")
+            raise FileNotFoundError(f"{where}: {what} {path} does not exist{hint}")
+    if os.path.isdir(model_name_or_path):
+        missing = [f for f in checkpoint_file.split(os.pathsep)  # fairseq's ensembles: a.pt:b.pt
+                   if not os.path.isfile(os.path.join(model_name_or_path, f))]
+        if missing:
+            found = sorted(f for f in os.listdir(model_name_or_path) if f.endswith(".pt"))
+            raise FileNotFoundError(f"{where}: no checkpoint {missing[0]!r} in {model_name_or_path} (the second "
+                                    f"argument, checkpoint_file); there: {', '.join(found) or 'no .pt files'}")
     try:
         x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
                                       archive_map=cls.hub_models(), **kwargs)
