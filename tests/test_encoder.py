@@ -49,11 +49,11 @@ def mlm(text_data_bin, tmp_path_factory):
     return train
 
 
-def _load(save_dir: Path, **overrides):
+def _load(save_dir: Path, file: str = "checkpoint_last.pt", **overrides):
     from fairseq import checkpoint_utils
 
     models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(save_dir / "checkpoint_last.pt")], arg_overrides=overrides)
+        [str(save_dir / file)], arg_overrides=overrides)
     return models[0].eval(), task
 
 
@@ -250,6 +250,11 @@ def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
     with pytest.raises(KeyError, match=r"no classification head 'sentence_classification'.*"
                                        r"\['sentence_classification_head'\].*register_classification_head"):
         hub.predict("sentence_classification", hub.encode("the object is returned"))
+    # --load-checkpoint-heads keeps the checkpoint's head, which a head of other classes cannot take: the
+    # error names both counts (it blamed the arch, which was right)
+    with pytest.raises(ValueError, match=r"head 'sentence_classification_head' has 2 classes and this run's has 3 "
+                                         r"\(--num-classes\): .*pass --num-classes 2, or leave --load-checkpoint-heads"):
+        _load(save, num_classes=3, load_checkpoint_heads=True)
     # the pretraining data folder: the task reads input0/dict.txt, and the message names that file
     with pytest.raises(FileNotFoundError, match=r"has no input0/dict\.txt"):
         LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(text_data_bin))
@@ -377,6 +382,56 @@ def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     assert "--lion-positions learned" in first_difference(
         weights("--arch", "lion_s_tiny", "--lion-positions", "learned"), base)
     assert first_difference(base, weights("--arch", "lion_s_tiny")) is None
+
+
+def test_layerdrop_pruning_keeps_the_layers_named(mlm):
+    """``--encoder-layers-to-keep`` (fairseq's LayerDrop pruning, as RoBERTa has it) on load gives the model of
+    the kept layers with their trained weights; it was refused by fairseq-train and dropped on load, every layer
+    running."""
+    save, _ = mlm("s")
+    full, _ = _load(save)
+    pruned, _ = _load(save, encoder_layers_to_keep="1")
+    assert len(pruned.encoder.sentence_encoder.layers) == 1 and pruned.args.encoder_layers == 1
+    kept = full.encoder.sentence_encoder.layers[1].state_dict()
+    for name, tensor in pruned.encoder.sentence_encoder.layers[0].state_dict().items():
+        assert torch.equal(tensor, kept[name]), name
+
+
+def test_untied_weights_are_not_tied_on_load(mlm, tmp_path):
+    """Weights trained with ``--untie-weights-roberta`` loaded into a tied model (the flag left out of a
+    fine-tuning run) are refused naming the flag: the tied model's one tensor would silently take the LM
+    head's weights in place of the token embeddings."""
+    save, _ = mlm("s")
+    state = torch.load(save / "checkpoint_last.pt", weights_only=False)
+    state["cfg"]["model"]["untie_weights_roberta"] = True
+    head, embed = "encoder.lm_head.weight", "encoder.sentence_encoder.embed_tokens.weight"
+    state["model"][head] = state["model"][head] + 0.01
+    torch.save(state, tmp_path / "untied.pt")
+    model, _ = _load(tmp_path, "untied.pt")
+    assert torch.equal(model.encoder.lm_head.weight, state["model"][head])
+    assert torch.equal(model.encoder.sentence_encoder.embed_tokens.weight, state["model"][embed])
+    with pytest.raises(ValueError, match=r"trained with --untie-weights-roberta .*: pass --untie-weights-roberta"):
+        _load(tmp_path, "untied.pt", untie_weights_roberta=False)
+
+
+def test_spectral_norm_head_reloads(mlm, tmp_path):
+    """A ``--spectral-norm-classification-head`` head keeps its weight as ``out_proj.weight_orig``, where
+    RoBERTa's head check reads ``out_proj.weight``: its checkpoint failed to reload (KeyError), in the hub,
+    fairseq-validate and a resumed run alike. Now it reloads and classifies as before."""
+    save, _ = mlm("s")
+    model, task = _load(save, spectral_norm_classification_head=True)
+    model.register_classification_head("sn", num_classes=3)
+    model.eval()
+    state = torch.load(save / "checkpoint_last.pt", weights_only=False)
+    state["cfg"]["model"]["spectral_norm_classification_head"] = True
+    state["model"] = model.state_dict()
+    assert "classification_heads.sn.out_proj.weight_orig" in state["model"]
+    torch.save(state, tmp_path / "sn.pt")
+    again, _ = _load(tmp_path, "sn.pt", load_checkpoint_heads=True)  # as the hub loads
+    tokens = _sentences(task, 1)[0][None]
+    with torch.no_grad():
+        assert torch.equal(again(tokens, classification_head_name="sn")[0],
+                           model(tokens, classification_head_name="sn")[0])
 
 
 def test_hub_classes_import_from_the_package():

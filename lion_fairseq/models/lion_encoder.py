@@ -57,6 +57,9 @@ class LionEncoderConfig(LionOptions):
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout probability after activation in FFN"})
     pooler_dropout: float = field(default=0.0, metadata={"help": "dropout probability in the classification heads"})
     encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for encoder"})
+    encoder_layers_to_keep: Optional[str] = field(
+        default=None, metadata={"help": "which layers to *keep* when pruning, as a comma-separated list (fairseq "
+                                        "prunes a LayerDrop-trained checkpoint's layers to these on load)"})
     max_positions: Optional[int] = field(
         default=None, metadata={"help": "number of learned positions (default: the task's --tokens-per-sample); "
                                         "unused with --lion-positions none"})
@@ -75,6 +78,8 @@ def complete_encoder_config(cfg: Any, task, fill_defaults: Callable[[Any], None]
     sequences, and a bad ``--lion-*`` option stopped here, with its name. Edits ``cfg`` in place."""
     with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
         fill_defaults(cfg)
+        if cfg.encoder_layers_to_keep:  # as RobertaEncoder: the model has the kept layers only
+            cfg.encoder_layers = len(str(cfg.encoder_layers_to_keep).split(","))
         if cfg.max_positions is None:
             cfg.max_positions = task.max_positions()
     if cfg.encoder_embed_dim % cfg.encoder_attention_heads:  # an arch's heads kept at another width
@@ -274,7 +279,32 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
         weights cannot show is logged: it must be the teacher's."""
         prefix = name + "." if name else ""
         softmax = is_softmax_roberta(state_dict, prefix)  # read before RoBERTa's renaming hides older layouts
+        # a spectral-norm head (--spectral-norm-classification-head) stores out_proj.weight_orig, and RoBERTa's
+        # head reconciliation reads out_proj.weight for its classes (a KeyError on every reload): lend it that
+        lent = [k[:-len("_orig")] for k in state_dict if k.startswith(prefix + "classification_heads.")
+                and k.endswith(".out_proj.weight_orig") and k[:-len("_orig")] not in state_dict]
+        for k in lent:
+            state_dict[k] = state_dict[k + "_orig"]
         super().upgrade_state_dict_named(state_dict, name)
+        for k in lent:
+            state_dict.pop(k, None)
+        if getattr(self.args, "load_checkpoint_heads", False):  # RoBERTa keeps a head the task registered
+            for head_name, head in self.classification_heads.items():
+                out = state_dict.get(f"{prefix}classification_heads.{head_name}.out_proj.weight",
+                                     state_dict.get(f"{prefix}classification_heads.{head_name}.out_proj.weight_orig"))
+                if out is not None and out.size(0) != head.out_proj.out_features:
+                    raise ValueError(
+                        f"the checkpoint's head {head_name!r} has {out.size(0)} classes and this run's has "
+                        f"{head.out_proj.out_features} (--num-classes): --load-checkpoint-heads loads the "
+                        f"checkpoint's head, so pass --num-classes {out.size(0)}, or leave --load-checkpoint-heads "
+                        "out to start a new head.")
+        lm, emb = prefix + "encoder.lm_head.weight", prefix + "encoder.sentence_encoder.embed_tokens.weight"
+        if not getattr(self.args, "untie_weights_roberta", False) and lm in state_dict and emb in state_dict \
+                and not torch.equal(state_dict[lm], state_dict[emb]):
+            # a tied model shares one tensor: loading would silently replace the embeddings by the LM head's
+            raise ValueError("these weights were trained with --untie-weights-roberta (the LM head's output "
+                             "weights differ from the token embeddings): pass --untie-weights-roberta, or tying "
+                             "them would replace the embeddings by the LM head's weights.")
         if softmax:
             softmax_to_lion(self, state_dict, prefix, unseen=self.encoder.sentence_encoder.unseen)
 
