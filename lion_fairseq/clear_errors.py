@@ -273,7 +273,8 @@ def _wrap_eval_lm_dataloader(original):
     def eval_lm_dataloader(self, dataset, *args, **kwargs):
         names = ["max_tokens", "batch_size", "max_positions"]
         limit = dict(zip(names, args)).get("max_positions", kwargs.get("max_positions"))
-        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample)
+        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample,
+                                    str(getattr(self.args, "sample_break_mode", "none")))
         if message and self.args.tokens_per_sample > limit:
             raise ValueError(message)
         if message:
@@ -344,7 +345,7 @@ def _wrap_language_model_build(original):
     return build_model
 
 
-def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int) -> Optional[str]:
+def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int, break_mode: str = "none") -> Optional[str]:
     """What fairseq-eval-lm would silently leave out: samples of ``sizes`` (tokens, a numpy array) longer
     than the model's ``limit`` positions (an int; None or a tuple: no check). None if nothing."""
     if sizes is None or not isinstance(limit, int) or len(sizes) == 0:
@@ -352,12 +353,17 @@ def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int) -> Optiona
     longer = sizes > limit
     if not longer.any():
         return None
+    # --tokens-per-sample bounds a sample in the "none" break mode only: eos, complete, ... keep lines whole
+    fix = (f"Pass --tokens-per-sample {min(limit, tokens_per_sample)} or less" if break_mode == "none" else
+           f"--sample-break-mode {break_mode} keeps each line whole whatever --tokens-per-sample: pass "
+           f"--sample-break-mode none --tokens-per-sample {limit} or less")
     return (f"fairseq-eval-lm: {int(longer.sum())} of {len(sizes)} samples are longer than the model's {limit} "
             f"positions, and fairseq skips them: the loss would cover {int(sizes[~longer].sum())} of "
-            f"{int(sizes.sum())} tokens. The model has learned positions (LION-LIT's default, --lion-positions "
-            f"learned), {limit} of them: pass --tokens-per-sample {min(limit, tokens_per_sample)} or less (with "
-            "--context-window N to give each scored token more context within them); to score beyond the "
-            "training length use a model trained with --lion-positions none (LION-D and LION-S's default)")
+            f"{int(sizes.sum())} tokens. {fix} (with --context-window N to give each scored token more context "
+            "within them). Learned positions (LION-LIT's default, --lion-positions learned) end at the training "
+            "length: to score beyond it use a model trained with --lion-positions none (LION-D and LION-S's "
+            "default); sinusoidal ones (fairseq's transformer_lm) go further with --model-overrides "
+            "\"{'max_target_positions': N}\"")
 
 
 def empty_split_message(path: str) -> str:
@@ -509,7 +515,8 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
                     f"pass --lion-positions {'learned' if a['positions'] else 'none'}")
         option = "--tokens-per-sample" if stack == "decoder" else "--max-positions"
         return (f"learned positions: the checkpoint has {a['positions']} and the model {b['positions']}; pass "
-                f"{option} {a['positions']} (the length it was trained with)")
+                f"{option} {a['positions']} (the length it was trained with: learned positions have no weights past it, "
+                "so no --model-overrides or hub keyword of a longer one adds any)")
     if a["variant"] != b["variant"]:
         v = a["variant"]
         return (f"the LION variant: the checkpoint is LION-{v.upper()} and the model LION-{b['variant'].upper()}; "

@@ -406,11 +406,32 @@ def test_eval_lm_past_learned_positions_is_refused(text_data_bin, lit_trained):
     would skip every sample longer than 64 with one log line and print a loss over the few left (issue
     28); it stops instead, saying how much would be left out and what to pass. At 64 it scores them all."""
     ckpt = lit_trained
-    with pytest.raises(ValueError, match=r"longer than the model's 64 positions.*pass --tokens-per-sample 64") as e:
+    with pytest.raises(ValueError, match=r"longer than the model's 64 positions.*Pass --tokens-per-sample 64") as e:
         eval_lm_in_process(text_data_bin, ckpt, "--tokens-per-sample", "256")
     covered, total = map(int, re.search(r"cover (\d+) of (\d+) tokens", str(e.value)).groups())
     assert covered < total / 10
     assert 3.0 < eval_lm_in_process(text_data_bin, ckpt) < 20.0
+    # the length fairseq's transformer_lm takes as an override adds no learned positions: said, not retrained
+    from fairseq import checkpoint_utils
+
+    with pytest.raises(RuntimeError, match=r"learned positions: the checkpoint has 64 and the model 1024; pass "
+                                           r"--tokens-per-sample 64 .*no --model-overrides .* adds any"):
+        checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"max_target_positions": 1024})
+
+
+def test_eval_lm_advice_follows_the_break_mode():
+    """--tokens-per-sample bounds the samples of the 'none' break mode only: under eos (one sample a line) the
+    advice for lines past the learned positions is the break mode, not the length already passed."""
+    import numpy as np
+
+    from lion_fairseq.clear_errors import over_long_message
+
+    sizes = np.array([10, 270, 20])
+    assert "cover 30 of 300 tokens. Pass --tokens-per-sample 64 or less" in over_long_message(sizes, 64, 256)
+    eos = over_long_message(sizes, 64, 64, "eos")
+    assert "--sample-break-mode eos keeps each line whole whatever --tokens-per-sample: pass --sample-break-mode " \
+           "none --tokens-per-sample 64 or less" in eos, eos
+    assert over_long_message(np.array([10, 64]), 64, 64, "eos") is None
 
 
 def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
