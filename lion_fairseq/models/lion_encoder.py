@@ -78,7 +78,7 @@ def complete_encoder_config(cfg: Any, task, fill_defaults: Callable[[Any], None]
     sequences, and a bad ``--lion-*`` option stopped here, with its name. Edits ``cfg`` in place."""
     with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
         fill_defaults(cfg)
-        if cfg.encoder_layers_to_keep:  # as RobertaEncoder: the model has the kept layers only
+        if getattr(cfg, "encoder_layers_to_keep", None):  # as RobertaEncoder: the kept layers only (not in LRA's)
             cfg.encoder_layers = len(str(cfg.encoder_layers_to_keep).split(","))
         if cfg.max_positions is None:
             cfg.max_positions = task.max_positions()

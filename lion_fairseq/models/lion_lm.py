@@ -22,7 +22,7 @@ from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
                             register_model_architecture)
-from fairseq.modules import FairseqDropout, LayerNorm
+from fairseq.modules import FairseqDropout, LayerDropModuleList, LayerNorm
 from omegaconf import II
 from torch import Tensor
 
@@ -59,6 +59,10 @@ class LionLMConfig(LionOptions):
         default=None, metadata={"help": "pre-norm layers and a final LayerNorm (the default); "
                                         "--no-decoder-normalize-before: post-norm layers and no final LayerNorm, as "
                                         "fairseq's --arch transformer_lm"})
+    decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
+    decoder_layers_to_keep: Optional[str] = field(
+        default=None, metadata={"help": "which layers to *keep* when pruning, as a comma-separated list (fairseq "
+                                        "prunes a LayerDrop-trained checkpoint's layers to these on load)"})
     no_decoder_final_norm: bool = field(
         default=False, metadata={"help": "no LayerNorm after the last pre-norm layer (fairseq's option of that name)"})
     tokens_per_sample: int = II("task.tokens_per_sample")
@@ -97,11 +101,13 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             self.max_target_positions = UNBOUNDED_POSITIONS
             self.embed_positions = None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
-        self.layers = nn.ModuleList([checkpointed(
+        layers = [checkpointed(
             LionDecoderLayer(dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads, attention_kwargs,
                              dropout=cfg.dropout, activation_dropout=cfg.activation_dropout,
                              activation_fn=str(cfg.activation_fn), normalize_before=cfg.decoder_normalize_before),
-            cfg) for _ in range(cfg.decoder_layers)])
+            cfg) for _ in range(cfg.decoder_layers)]
+        layerdrop = getattr(cfg, "decoder_layerdrop", 0.0)  # a checkpoint saved before the option has none
+        self.layers = LayerDropModuleList(layerdrop, layers) if layerdrop else nn.ModuleList(layers)
         # fairseq's rule: post-norm layers end normalised already
         final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
         self.layer_norm = LayerNorm(dim) if final_norm else None
@@ -221,6 +227,8 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
     @classmethod
     def build_model(cls, cfg: Any, task) -> "LionLanguageModel":
         lion_lm_base(cfg)
+        if getattr(cfg, "decoder_layers_to_keep", None):  # as fairseq's TransformerDecoder: the kept layers only
+            cfg.decoder_layers = len(str(cfg.decoder_layers_to_keep).split(","))
         if cfg.decoder_embed_dim % cfg.decoder_attention_heads:
             raise ValueError(f"--decoder-embed-dim {cfg.decoder_embed_dim} must be divisible by "
                              f"--decoder-attention-heads {cfg.decoder_attention_heads}")
