@@ -247,6 +247,27 @@ def test_override_of_what_the_weights_were_trained_as_is_refused(mt_data, traine
                lion_gate_temperature=1, lion_output_gate=False)
 
 
+def test_layerdrop_and_pruning_as_in_transformer(mt_data, trained):
+    """fairseq's LayerDrop options (unrecognized before; a layers-to-keep override was dropped on load, every
+    layer running): --*-layerdrop builds fairseq's LayerDropModuleList, and a checkpoint loaded with the layers
+    to keep is the model of those layers with their trained weights."""
+    from fairseq import checkpoint_utils
+    from fairseq.modules import LayerDropModuleList
+
+    _, model = build(mt_data, "s", "softmax", "--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.25")
+    assert isinstance(model.encoder.layers, LayerDropModuleList) and model.encoder.layers.p == 0.5
+    assert isinstance(model.decoder.layers, LayerDropModuleList) and model.decoder.layers.p == 0.25
+    (full,), _ = checkpoint_utils.load_model_ensemble([str(trained)])
+    (pruned,), _ = checkpoint_utils.load_model_ensemble(
+        [str(trained)], arg_overrides={"encoder_layers_to_keep": "1", "decoder_layers_to_keep": "0"})
+    for stack, kept in (("encoder", 1), ("decoder", 0)):
+        layers = getattr(pruned, stack).layers
+        assert len(layers) == 1, stack
+        want = getattr(full, stack).layers[kept].state_dict()
+        for name, tensor in layers[0].state_dict().items():
+            assert torch.equal(tensor, want[name]), (stack, name)
+
+
 def test_eval_lm_on_a_translation_checkpoint_names_what_scores_it(mt_data, trained, tmp_path):
     """fairseq-eval-lm on a translation checkpoint failed with an AttributeError of fairseq's
     (supported_targets); it names the kind and the tools that score it."""

@@ -69,6 +69,14 @@ class LionTransformerConfig(LionOptions):
         default=False, metadata={"help": "share encoder, decoder and output embeddings (a joined dictionary)"})
     no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})
     layernorm_embedding: bool = field(default=False, metadata={"help": "layernorm on the embeddings"})
+    # LayerDrop, as fairseq's transformer: fairseq prunes a LayerDrop-trained checkpoint's layers to the
+    # *_layers_to_keep on load (prune_state_dict reads them from the model config)
+    encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for encoder"})
+    decoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for decoder"})
+    encoder_layers_to_keep: Optional[str] = field(
+        default=None, metadata={"help": "which encoder layers to *keep* when pruning, as a comma-separated list"})
+    decoder_layers_to_keep: Optional[str] = field(
+        default=None, metadata={"help": "which decoder layers to *keep* when pruning, as a comma-separated list"})
     max_source_positions: int = II("task.max_source_positions")
     max_target_positions: int = II("task.max_target_positions")
 
