@@ -238,6 +238,17 @@ def _wrap_load_checkpoint_to_cpu(original):
     return load_checkpoint_to_cpu
 
 
+def _options_of(arch: str) -> set:
+    """The options of a LION arch's model (its dataclass's fields); empty for another arch."""
+    import dataclasses
+
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY
+
+    name = ARCH_MODEL_NAME_REGISTRY.get(arch, arch)
+    config = MODEL_DATACLASS_REGISTRY.get(name) if str(name).startswith("lion") else None
+    return {f.name for f in dataclasses.fields(config)} if config is not None else set()
+
+
 def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[str]:
     """What is wrong with ``overrides`` (``--model-overrides``, the hub's keyword arguments) that fairseq
     would ignore without a word: a key the checkpoint's config (``cfg``, after the overrides) does not have
@@ -254,15 +265,19 @@ def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[st
             known.update(section.keys())
         elif isinstance(section, argparse.Namespace):
             return None
+    model = cfg.get("model")
+    arch = model.get("_name", "?") if isinstance(model, DictConfig) else "?"
+    newer = _options_of(arch)
     wrong = []
     for key in sorted(set(overrides) - known):
         near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
-        if near or key.startswith("lion_"):
+        if key in newer:  # the config was saved by a lion-fairseq without it (--encoder-layers-to-keep, say)
+            wrong.append(f"{key!r} (an option of this model that its config, saved before the option existed, "
+                         "has not: a run restarted with --restore-file and the option on the command line takes it)")
+        elif near or key.startswith("lion_"):
             wrong.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not an option of this model'})")
     if not wrong:
         return None
-    model = cfg.get("model")
-    arch = model.get("_name", "?") if isinstance(model, DictConfig) else "?"
     return (f"--model-overrides (or the hub's keyword arguments) name what this checkpoint's config ({arch}) "
             f"does not have: {', '.join(wrong)}. fairseq would ignore them and run as trained; spell the "
             "option as its --flag without the dashes, with underscores (--lion-form -> 'lion_form')")

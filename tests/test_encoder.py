@@ -384,7 +384,7 @@ def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     assert first_difference(base, weights("--arch", "lion_s_tiny")) is None
 
 
-def test_layerdrop_pruning_keeps_the_layers_named(mlm):
+def test_layerdrop_pruning_keeps_the_layers_named(mlm, tmp_path):
     """``--encoder-layers-to-keep`` (fairseq's LayerDrop pruning, as RoBERTa has it) on load gives the model of
     the kept layers with their trained weights; it was refused by fairseq-train and dropped on load, every layer
     running."""
@@ -395,6 +395,14 @@ def test_layerdrop_pruning_keeps_the_layers_named(mlm):
     kept = full.encoder.sentence_encoder.layers[1].state_dict()
     for name, tensor in pruned.encoder.sentence_encoder.layers[0].state_dict().items():
         assert torch.equal(tensor, kept[name]), name
+    # a checkpoint saved before the option existed: fairseq drops a key its config has not, so it is refused
+    state = torch.load(save / "checkpoint_last.pt", weights_only=False)
+    del state["cfg"]["model"]["encoder_layers_to_keep"]
+    torch.save(state, tmp_path / "older.pt")
+    assert len(_load(tmp_path, "older.pt")[0].encoder.sentence_encoder.layers) == 2
+    with pytest.raises(ValueError, match=r"'encoder_layers_to_keep' \(an option of this model that its config, saved "
+                                         r"before the option existed, has not: .*--restore-file"):
+        _load(tmp_path, "older.pt", encoder_layers_to_keep="1")
 
 
 def test_untied_weights_are_not_tied_on_load(mlm, tmp_path):
