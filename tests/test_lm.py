@@ -419,18 +419,18 @@ def test_eval_lm_past_learned_positions_is_refused(text_data_bin, lit_trained):
         checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"max_target_positions": 1024})
 
 
-def test_layerdrop_trains_and_prunes_to_the_layers_kept(text_data_bin, tmp_path):
+def test_layerdrop_and_pruning_as_in_transformer_lm(text_data_bin, trained):
     """``--decoder-layerdrop`` and ``--decoder-layers-to-keep`` (fairseq's LayerDrop, as transformer_lm has it;
-    both were unrecognized): training drops layers through fairseq's LayerDropModuleList, and the checkpoint
-    loaded with the layers to keep is the model of those layers with their trained weights."""
+    both were unrecognized): the layers are fairseq's LayerDropModuleList, and a checkpoint loaded with the
+    layers to keep is the model of those layers with their trained weights."""
     from fairseq import checkpoint_utils
     from fairseq.modules import LayerDropModuleList
 
-    train(text_data_bin, tmp_path, 2, "--decoder-layerdrop", "0.5")
-    (full,), _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "checkpoint_last.pt")])
-    assert isinstance(full.decoder.layers, LayerDropModuleList) and full.decoder.layers.p == 0.5
-    (pruned,), _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "checkpoint_last.pt")],
-                                                        arg_overrides={"decoder_layers_to_keep": "1"})
+    _, model = build(text_data_bin, "--arch", "lion_s_lm_tiny", "--decoder-layerdrop", "0.5")
+    assert isinstance(model.decoder.layers, LayerDropModuleList) and model.decoder.layers.p == 0.5
+    ckpt, _ = trained
+    (full,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)])
+    (pruned,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"decoder_layers_to_keep": "1"})
     assert len(pruned.decoder.layers) == 1
     kept = full.decoder.layers[1].state_dict()
     for name, tensor in pruned.decoder.layers[0].state_dict().items():
