@@ -437,6 +437,19 @@ def test_layerdrop_and_pruning_as_in_transformer_lm(text_data_bin, trained):
         assert torch.equal(tensor, kept[name]), name
 
 
+def test_untied_weights_are_not_tied_on_load(trained):
+    """A checkpoint trained with separate input and output embeddings, loaded into a model that ties them
+    (--share-decoder-input-output-embed added when fine-tuning), is refused naming the option: the shared
+    tensor would silently take whichever of the two loads last."""
+    from fairseq import checkpoint_utils
+
+    ckpt, _ = trained
+    with pytest.raises(ValueError, match=r"this model ties decoder\.embed_tokens\.weight and "
+                                         r"decoder\.output_projection\.weight, which differ in the checkpoint: drop "
+                                         r"--share-decoder-input-output-embed"):
+        checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"share_decoder_input_output_embed": True})
+
+
 def test_eval_lm_advice_follows_the_break_mode():
     """--tokens-per-sample bounds the samples of the 'none' break mode only: under eos (one sample a line) the
     advice for lines past the learned positions is the break mode, not the length already passed."""

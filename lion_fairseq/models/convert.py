@@ -71,7 +71,7 @@ class Layout:
                               # dictionary's, whose tensors have one row per word
     droppable: str            # the teacher's tensors this LION model may drop
     structure: str            # the options that shape the architecture beyond the attention
-    untie: str                # what to pass when the model ties tensors that the teacher kept apart
+    untie: str                # what to pass when the model ties tensors that the checkpoint keeps apart
     tie: str                  # what to pass when the teacher ties tensors that the model keeps apart
     extra: Patterns = ()      # (pattern, why and what to pass) for a tensor the checkpoint has, the model not
     missing: Patterns = ()    # likewise for a tensor the model has, the checkpoint not
@@ -89,7 +89,8 @@ ROBERTA = Layout(
                    (r".", "--encoder-embed-dim")),
     droppable=r"(^|\.)version$|embed_positions\.|_float_tensor$",
     structure="pass the teacher's --encoder-normalize-before, --layernorm-embedding or --untie-weights-roberta",
-    untie="pass --untie-weights-roberta, as the teacher was trained",
+    untie="they were trained with --untie-weights-roberta (tied, one would load over the other): pass "
+          "--untie-weights-roberta",
     tie="drop --untie-weights-roberta",
 )
 
@@ -102,7 +103,7 @@ LANGUAGE_MODEL = Layout(
     droppable=r"(^|\.)version$|embed_positions\.|_float_tensor$",
     structure="pass the teacher's --decoder-normalize-before / --no-decoder-normalize-before and "
               "--no-decoder-final-norm",
-    untie="drop --share-decoder-input-output-embed: the teacher's input and output embeddings are separate",
+    untie="drop --share-decoder-input-output-embed: the checkpoint's input and output embeddings are separate",
     tie="pass --share-decoder-input-output-embed",
     extra=((r"^decoder\.layer_norm\.",
             "the teacher is pre-norm with a final LayerNorm: pass --decoder-normalize-before (the default) "
@@ -134,7 +135,8 @@ TRANSLATION = Layout(
     droppable=r"(^|\.)version$|_float_tensor$",
     structure="pass the teacher's --encoder-normalize-before, --decoder-normalize-before, --layernorm-embedding, "
               "--encoder-learned-pos, --decoder-learned-pos or --no-token-positional-embeddings",
-    untie="drop --share-all-embeddings / --share-decoder-input-output-embed: the teacher's embeddings are separate",
+    untie="drop --share-all-embeddings / --share-decoder-input-output-embed: the checkpoint's embeddings are "
+          "separate",
     tie="pass the teacher's --share-all-embeddings or --share-decoder-input-output-embed",
     extra=((r"embed_positions\.weight",
             "the teacher has learned positions: pass --encoder-learned-pos and --decoder-learned-pos as it was "
@@ -200,7 +202,7 @@ def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str
     dropped = _drop_extra(state_dict, own, prefix, layout)
     _fit_shapes(state_dict, own, prefix, layout)
     added = _add_lion_own(state_dict, own, prefix, layout)
-    _check_ties(model, state_dict, prefix, layout)
+    check_ties(model, state_dict, prefix, layout)
     _warn_untied(model, state_dict, prefix, layout)
     if dropped:
         logger.info(f"lion: from the softmax checkpoint, dropped what this LION model has no use for: "
@@ -276,15 +278,18 @@ def _add_lion_own(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix:
     return added
 
 
-def _check_ties(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
-    """A parameter the model shares between two names (tied embeddings) loads whichever tensor comes last:
-    the checkpoint must hold one tensor under both names."""
+def check_ties(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
+    """A parameter the model shares between two names (tied embeddings) loads whichever tensor comes last,
+    silently: the checkpoint (a converted teacher's, or a LION model's trained untied) must hold one tensor
+    under both names. A name it lacks is left to the strict load, which names it."""
     names: Dict[int, List[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     for tied in (n for n in names.values() if len(n) > 1):
-        first = state_dict[prefix + tied[0]]
-        if not all(torch.equal(first, state_dict[prefix + n]) for n in tied[1:]):
+        tensors = [state_dict.get(prefix + n) for n in tied]
+        if any(t is None for t in tensors):
+            continue
+        if not all(torch.equal(tensors[0], t) for t in tensors[1:]):
             raise ValueError(f"this model ties {' and '.join(tied)}, which differ in the checkpoint: {layout.untie}")
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
-from .convert import is_softmax_roberta, softmax_to_lion
+from .convert import ROBERTA, check_ties, is_softmax_roberta, softmax_to_lion
 from .hub import bpe_from_data, load_pretrained
 from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boolean_optional, checkpointed,
                            fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset, set_unset_from)
@@ -298,15 +298,10 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
                         f"{head.out_proj.out_features} (--num-classes): --load-checkpoint-heads loads the "
                         f"checkpoint's head, so pass --num-classes {out.size(0)}, or leave --load-checkpoint-heads "
                         "out to start a new head.")
-        lm, emb = prefix + "encoder.lm_head.weight", prefix + "encoder.sentence_encoder.embed_tokens.weight"
-        if not getattr(self.args, "untie_weights_roberta", False) and lm in state_dict and emb in state_dict \
-                and not torch.equal(state_dict[lm], state_dict[emb]):
-            # a tied model shares one tensor: loading would silently replace the embeddings by the LM head's
-            raise ValueError("these weights were trained with --untie-weights-roberta (the LM head's output "
-                             "weights differ from the token embeddings): pass --untie-weights-roberta, or tying "
-                             "them would replace the embeddings by the LM head's weights.")
         if softmax:
             softmax_to_lion(self, state_dict, prefix, unseen=self.encoder.sentence_encoder.unseen)
+        else:
+            check_ties(self, state_dict, prefix, ROBERTA)
 
     @classmethod
     def add_args(cls, parser) -> None:

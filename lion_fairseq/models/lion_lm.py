@@ -29,7 +29,7 @@ from torch import Tensor
 from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
 from ..modules.decoder_layer import LionDecoderLayer
 from ..modules.lion_attention import IncrementalState
-from .convert import LANGUAGE_MODEL, is_softmax_lm, softmax_to_lion
+from .convert import LANGUAGE_MODEL, check_ties, is_softmax_lm, softmax_to_lion
 from .hub import ContinuationHubInterface, DataBpeHub
 from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, boolean_optional, checkpointed, fix_lion_flags,
                            lion_attention_kwargs, lion_positions, set_unset)
@@ -217,6 +217,7 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
         super().upgrade_state_dict_named(state_dict, name)
         prefix = name + "." if name else ""
         if not is_softmax_lm(state_dict, prefix):
+            check_ties(self, state_dict, prefix, LANGUAGE_MODEL)
             return
         learned = prefix + "decoder.embed_positions.weight" in state_dict
         softmax_to_lion(self, state_dict, prefix, LANGUAGE_MODEL, unseen=self.decoder.unseen)

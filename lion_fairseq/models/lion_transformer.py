@@ -31,7 +31,7 @@ from torch import Tensor
 from ..clear_errors import ClearLoadErrors
 from ..modules.encoder_layer import LionEncoderLayer
 from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
-from .convert import TRANSLATION, is_softmax_transformer, softmax_to_lion
+from .convert import TRANSLATION, check_ties, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
                            set_unset, set_unset_from)
@@ -144,6 +144,8 @@ class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
         prefix = name + "." if name else ""
         if is_softmax_transformer(self, state_dict, prefix):
             softmax_to_lion(self, state_dict, prefix, TRANSLATION, unseen=self.unseen())
+        else:
+            check_ties(self, state_dict, prefix, TRANSLATION)
 
     def unseen(self) -> str:
         """The structure that a checkpoint's weights cannot show (heads, norms' places, activation, sinusoidal
