@@ -286,18 +286,17 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
         for k in lent:
             state_dict[k] = state_dict[k + "_orig"]
         super().upgrade_state_dict_named(state_dict, name)
-        for k in lent:
-            state_dict.pop(k, None)
         if getattr(self.args, "load_checkpoint_heads", False):  # RoBERTa keeps a head the task registered
             for head_name, head in self.classification_heads.items():
-                out = state_dict.get(f"{prefix}classification_heads.{head_name}.out_proj.weight",
-                                     state_dict.get(f"{prefix}classification_heads.{head_name}.out_proj.weight_orig"))
+                out = state_dict.get(f"{prefix}classification_heads.{head_name}.out_proj.weight")  # lent too
                 if out is not None and out.size(0) != head.out_proj.out_features:
                     raise ValueError(
                         f"the checkpoint's head {head_name!r} has {out.size(0)} classes and this run's has "
                         f"{head.out_proj.out_features} (--num-classes): --load-checkpoint-heads loads the "
                         f"checkpoint's head, so pass --num-classes {out.size(0)}, or leave --load-checkpoint-heads "
                         "out to start a new head.")
+        for k in lent:
+            state_dict.pop(k, None)
         if softmax:
             softmax_to_lion(self, state_dict, prefix, unseen=self.encoder.sentence_encoder.unseen)
         else:
