@@ -275,7 +275,7 @@ def real_fla(monkeypatch, one_thread):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("L", [1, 70, 150])
+@pytest.mark.parametrize("L", [1, 150])
 @pytest.mark.parametrize("gates", ["none", "head", "token"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_real_fla_kernels_equal_the_reference_with_gradients(real_fla, L, gates, causal):
@@ -327,9 +327,9 @@ def no_decay_reference(q, k, v, causal):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype, L, causal", [(torch.float16, 32768, False), (torch.bfloat16, 8192, True)])
+@pytest.mark.parametrize("dtype, L, causal", [(torch.float16, 16384, False), (torch.bfloat16, 8192, True)])
 def test_real_fla_kernels_do_not_overflow_with_16bit_inputs(real_fla, dtype, L, causal):
-    """LION-LIT (no decay), row sums growing with L to 10-40 times fp16's 65504. 16-bit inputs reach fla in
+    """LION-LIT (no decay), row sums growing with L to 8-16 times fp16's 65504. 16-bit inputs reach fla in
     float32, so its states, numerators and row sums are float32 sums; the output is the input dtype."""
     g = torch.Generator().manual_seed(0)
     q, k = (torch.rand(1, 1, L, 16, generator=g) * 2 + 1).to(dtype), (torch.rand(1, 1, L, 16, generator=g) * 2 + 1).to(dtype)

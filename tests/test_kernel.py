@@ -108,12 +108,18 @@ def check_against_reference(fn, inputs, ref_kw, tol_y, tol_g, rms=False, tol_gat
         assert err(a, r, max(size(r), floor)) < tol, name
 
 
-@pytest.mark.parametrize("L", [1, 53, 64])
-@pytest.mark.parametrize("gates", ["none", "head", "token"])
-@pytest.mark.parametrize("causal,normalize", list(itertools.product([False, True], [True, False])))
+# every gate kind, causal and bidirectional, normalised and not at L = 1 and 53; at L = 64 each gate kind
+# and each of causal, bidirectional, normalised and not once (the interpreter is slow: no full product)
+CASES = [(L, gates, causal, normalize) for L in (1, 53) for gates in ("none", "head", "token")
+         for causal, normalize in itertools.product([False, True], [True, False])]
+CASES += [(64, "none", False, True), (64, "head", False, False), (64, "token", True, True), (64, "token", True, False)]
+
+
+@pytest.mark.parametrize("L,gates,causal,normalize", CASES)
 def test_kernel_equals_reference(L, gates, causal, normalize):
     """Every gate kind, causal and bidirectional, normalised and not; L = 1, L not a multiple of the
-    chunk (53: four chunks in two segments, with padding on both sides), and L a multiple of it."""
+    chunk (53: four chunks in two segments, with padding on both sides), and L a multiple of it (64, no
+    padding)."""
     inputs = make_inputs(L, gates, seed=L, dtype=torch.float32)
     pad = padding(L) if L != 64 else None
     kw = dict(causal=causal, normalize=normalize, key_padding_mask=pad)
@@ -134,10 +140,10 @@ def test_kernel_head_sizes(D):
 
 
 # relative RMS errors allowed with 16-bit inputs: values, gradients of q, k, v, of the gates. Measured at
-# L = 200, the worse of per-head and per-token gates: float16 2.9e-4, 5.7e-4, 2.4e-4 (its products run in
-# float16); bfloat16 1.7e-3, 1.7e-3, 1.4e-5 (its products in float32 here, its stores rounded to nearest as
+# L = 100, the worse of per-head and per-token gates: float16 2.7e-4, 6.6e-4, 5.1e-4 (its products run in
+# float16); bfloat16 1.7e-3, 1.7e-3, 2.3e-5 (its products in float32 here, its stores rounded to nearest as
 # a GPU's are: tests/triton_interpreter.py). The PyTorch chunk form, which rounds once to 16 bits, gets
-# 2.1e-4 (float16) and 1.7e-3 (bfloat16), and 1e-6 for the gates, which it returns in float32.
+# 2.1e-4 (float16) and 1.7e-3 (bfloat16), and 6e-6 for the gates, which it returns in float32.
 SIXTEEN_BIT_TOLERANCE = {torch.float16: (5e-4, 1e-3, 1e-3), torch.bfloat16: (5e-3, 5e-3, 5e-4)}
 
 
@@ -149,7 +155,7 @@ def test_kernel_16bit_inputs(dtype, gates):
     What one launch leaves for the next to add to is kept to float32's precision (before: the gradients
     of q, k, v 6x, the per-head gate's 1e4x, further off than the PyTorch form's), and float16 stays finite
     where a padded row's sum is below eps (do = dy / eps overflowed float16: NaN gradients)."""
-    L = 200
+    L = 100
     q, k, v, f, b = make_inputs(L, gates, D=64, seed=5, dtype=torch.float64)
     inputs = [x.to(dtype) for x in (q, k, v)] + [f.float(), b.float()]
     kw = dict(key_padding_mask=padding(L))
@@ -164,9 +170,9 @@ def test_kernel_16bit_causal_and_unnormalised(dtype, causal, normalize):
     """The other ways a 16-bit sum passes between launches: a causal call (one walk, each gradient
     written once, y kept as a pair for the backward) and an unnormalised one (y's pair only between the
     walks, none kept)."""
-    q, k, v, f, b = make_inputs(90, "token", D=32, seed=7, dtype=torch.float64)
+    q, k, v, f, b = make_inputs(50, "token", D=32, seed=7, dtype=torch.float64)
     inputs = [x.to(dtype) for x in (q, k, v)] + [f.float(), b.float()]
-    kw = dict(key_padding_mask=padding(90), causal=causal, normalize=normalize)
+    kw = dict(key_padding_mask=padding(50), causal=causal, normalize=normalize)
     check_against_reference(lambda *x: kernel(*x, segment_chunks=1, **kw), inputs, kw, 5e-3, 5e-3, rms=True,
                             tol_gate=1e-3)
 
@@ -237,13 +243,13 @@ def test_kernel_reads_strided_inputs(layout):
 def test_prefetch_changes_no_value(gates, causal, dtype, monkeypatch):
     """Walks that load the next chunk's tiles ahead (``kernel.PREFETCH``) give the same values and
     gradients, bit for bit, with padding on both sides and segments whose last chunk's successor lies in
-    the next segment or past the end."""
+    the next segment or past the end (three chunks of 16, two to a segment)."""
     from lion_fairseq.ops import kernel as kmod
 
-    inputs = make_inputs(70, gates, D=16, seed=4, dtype=torch.float32)
+    inputs = make_inputs(40, gates, D=16, seed=4, dtype=torch.float32)
     inputs = [x.to(dtype) for x in inputs[:3]] + inputs[3:]
-    weight = torch.randn(B, H, 70, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    run = lambda *x: kernel(*x, causal=causal, key_padding_mask=padding(70), segment_chunks=2)  # noqa: E731
+    weight = torch.randn(B, H, 40, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    run = lambda *x: kernel(*x, causal=causal, key_padding_mask=padding(40), segment_chunks=2)  # noqa: E731
     y, g = value_and_grads(run, inputs, weight)
     monkeypatch.setattr(kmod, "PREFETCH", {False: True, True: True})
     y_ahead, g_ahead = value_and_grads(run, inputs, weight)
@@ -275,10 +281,10 @@ def test_fused_backward_changes_no_value(gates, dtype, monkeypatch):
     with padding on both sides and several segments."""
     from lion_fairseq.ops import kernel as kmod
 
-    inputs = make_inputs(70, gates, D=16, seed=6, dtype=torch.float32)
+    inputs = make_inputs(40, gates, D=16, seed=6, dtype=torch.float32)
     inputs = [x.to(dtype) for x in inputs[:3]] + inputs[3:]
-    weight = torch.randn(B, H, 70, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    run = lambda *x: kernel(*x, key_padding_mask=padding(70), segment_chunks=2)  # noqa: E731
+    weight = torch.randn(B, H, 40, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    run = lambda *x: kernel(*x, key_padding_mask=padding(40), segment_chunks=2)  # noqa: E731
     walks, launches, results = launched(monkeypatch, "_backward_walk"), [], []
     for fused in (False, True):
         monkeypatch.setattr(kmod, "FUSED", {64: fused, 128: fused})
@@ -385,8 +391,9 @@ def test_rows_beyond_32_bit_offsets_are_copied():
 def test_per_head_gate_gradient_at_long_length():
     """LION-D's gate, one per head and the same tensor for both directions, gets its gradient as
     ``sum_{i>j} (i - j) P_ij`` row by row, not as a sum over L of per-position sums that nearly cancel
-    (issue 29): within 1e-5 of float64 at L = 4096, for a strong and a weak decay, across segments."""
-    L = 4096
+    (issue 29): within 1e-5 of float64 at L = 2048, for a strong and a weak decay, across segments. (The
+    PyTorch chunk form's float32 gradients of per-token gates, summed over L, are 5.2e-5 off here.)"""
+    L = 2048
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.rand(1, H, L, 16, generator=g), torch.rand(1, H, L, 16, generator=g),
                torch.randn(1, H, L, 16, generator=g))
@@ -405,9 +412,10 @@ def test_per_head_gate_gradient_at_long_length():
 
 
 def test_long_strong_decay_stays_finite():
-    """Gates near 0 over many chunks and segments: every exponent is <= 0, nothing overflows."""
-    q, k, v, _, _ = make_inputs(1200, "none", D=16, dtype=torch.float32)
-    gate = torch.full((B, H, 1200), -30.0, device=DEVICE, requires_grad=True)
+    """Gates near 0 over many chunks and segments (ten and three): every exponent is <= 0, nothing
+    overflows."""
+    q, k, v, _, _ = make_inputs(600, "none", D=16, dtype=torch.float32)
+    gate = torch.full((B, H, 600), -30.0, device=DEVICE, requires_grad=True)
     leaves = [x.requires_grad_() for x in (q, k, v)]
     y = kernel(*leaves, gate, gate, chunk_size=64, segment_chunks=4)
     y.sum().backward()
