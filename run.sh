@@ -5,7 +5,8 @@ cd "$(dirname "$0")"
 source scripts/env.sh
 case "${1:-}" in
   demo) shift; exec python -m lion_fairseq.demo "$@" ;;
-  # two workers, a test file each (files share expensive module fixtures): half the wall time on 2 cores
-  test) shift; exec python -m pytest -q -n 2 --dist loadfile tests "$@" ;;
+  # two workers, a test file each (files share expensive module fixtures), the longest files first
+  # (tests/conftest.py): half the wall time on 2 cores
+  test) shift; exec python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests "$@" ;;
   *) echo "usage: bash run.sh {demo|test} [args...]" >&2; exit 2 ;;
 esac

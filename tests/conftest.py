@@ -26,6 +26,19 @@ if _workers > 1:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
+# `bash run.sh test` hands test files to its two workers in this order (xdist's --dist loadfile with
+# --no-loadscope-reorder): the longest first, so that no long file starts last while the other worker idles.
+# The nine that take longest, by the CPU seconds each took alone on a CI-like machine (170 down to 70; the
+# others under 65).
+LONGEST_FIRST = ("test_reliability.py", "test_kernel.py", "test_convert.py", "test_encoder.py", "test_lm.py",
+                 "test_recipes.py", "test_translation.py", "test_demo.py", "test_gpu_benchmark.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep their own order
+
+
 ROOT = Path(__file__).resolve().parents[1]
 USER_DIR = str(ROOT / "lion_fairseq")
 
@@ -54,9 +67,34 @@ def fairseq_cli(module: str, *args: str, cwd=None, timeout=900, stdin=None) -> s
     return proc
 
 
+def preprocess(*args: str) -> None:
+    """fairseq-preprocess in this process, for a fixture's data (the command itself runs as users run it in
+    test_recipes.py and test_preprocess.py): no second Python to start and import fairseq."""
+    import logging
+
+    from fairseq import options
+    from fairseq_cli import preprocess as command
+
+    logger = logging.getLogger("fairseq_cli.preprocess")
+    handlers = list(logger.handlers)
+    try:
+        command.main(options.get_preprocessing_parser().parse_args(list(args)))
+    finally:  # it adds a log file handler per call
+        for handler in set(logger.handlers) - set(handlers):
+            logger.removeHandler(handler)
+            handler.close()
+
+
+@pytest.fixture(scope="session")
+def labelled_data_bin(text_data_bin, tmp_path_factory) -> Path:
+    """``labelled_data`` of the corpus's dictionary (read only: the tests share it)."""
+    return labelled_data(tmp_path_factory.mktemp("labelled"), text_data_bin / "dict.txt")
+
+
 def labelled_data(root: Path, dict_txt: Path) -> Path:
     """A balanced, learnable labelling of real lines: 1 if the line starts with a word, 0 if it starts
-    with a symbol; binarised in sentence_prediction's layout (input0/, label/)."""
+    with a symbol; binarised in sentence_prediction's layout (input0/, label/) in ``root / "bin"``, its text
+    in ``root``."""
     rng = random.Random(0)
     lines = corpus_lines()
     words = [s for s in lines if s.split()[0].isalpha()]
@@ -69,11 +107,10 @@ def labelled_data(root: Path, dict_txt: Path) -> Path:
         (root / f"{name}.input0").write_text("".join(s + "\n" for s, _ in rows))
         (root / f"{name}.label").write_text("".join(f"{y}\n" for _, y in rows))
     out = root / "bin"
-    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.input0"),
-                "--validpref", str(root / "valid.input0"), "--destdir", str(out / "input0"),
-                "--srcdict", str(dict_txt), "--workers", "1")
-    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.label"),
-                "--validpref", str(root / "valid.label"), "--destdir", str(out / "label"), "--workers", "1")
+    preprocess("--only-source", "--trainpref", str(root / "train.input0"), "--validpref", str(root / "valid.input0"),
+               "--destdir", str(out / "input0"), "--srcdict", str(dict_txt), "--workers", "1")
+    preprocess("--only-source", "--trainpref", str(root / "train.label"), "--validpref", str(root / "valid.label"),
+               "--destdir", str(out / "label"), "--workers", "1")
     return out
 
 
@@ -111,7 +148,6 @@ def text_data_bin(tmp_path_factory) -> Path:
     for name, part in splits.items():
         (root / f"{name}.txt").write_text("\n".join(part) + "\n")
     out = root / "bin"
-    fairseq_cli("preprocess", "--only-source", "--trainpref", str(root / "train.txt"),
-                "--validpref", str(root / "valid.txt"), "--testpref", str(root / "test.txt"),
-                "--destdir", str(out), "--nwordssrc", "2000", "--workers", "1")
+    preprocess("--only-source", "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
+               "--testpref", str(root / "test.txt"), "--destdir", str(out), "--nwordssrc", "2000", "--workers", "1")
     return out
