@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does)
-from conftest import ROOT, USER_DIR, build_model, fairseq_cli, labelled_data
+from conftest import ROOT, USER_DIR, build_model, fairseq_cli, preprocess
 from lion_fairseq.models.convert import GATE_LOGIT
 
 SIZE = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
@@ -38,13 +38,13 @@ def roberta(text_data_bin, tmp_path_factory):
     return save / "checkpoint_last.pt"
 
 
-def test_convert_a_fine_tuned_roberta_classifier(roberta, text_data_bin, tmp_path):
+def test_convert_a_fine_tuned_roberta_classifier(roberta, labelled_data_bin, tmp_path):
     """A RoBERTa fine-tuned with --task sentence_prediction (a GLUE model) converts under that task: its
     data folder has input0/ and label/ dictionaries, and its classification head comes with it."""
     from lion_fairseq.convert import main
     from lion_fairseq.models.lion_encoder import LionRobertaModel
 
-    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
+    data = labelled_data_bin
     # --user-dir: RoBERTa's checkpoint holds an argparse.Namespace, which the plugin allows torch to load
     fairseq_cli("train", str(data), "--user-dir", USER_DIR, *TRAIN[:TRAIN.index("--criterion")], "--task",
                 "sentence_prediction", "--criterion", "sentence_prediction", "--arch", "roberta_base", *SIZE,
@@ -535,9 +535,8 @@ def mt_data(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("reversal")
     write_reversal_corpus(root, sizes=(("train", 400), ("valid", 20), ("test", 20)))
-    fairseq_cli("preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(root / "train"),
-                "--validpref", str(root / "valid"), "--testpref", str(root / "test"), "--destdir", str(root / "bin"),
-                "--workers", "1")
+    preprocess("--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(root / "train"), "--validpref",
+               str(root / "valid"), "--testpref", str(root / "test"), "--destdir", str(root / "bin"), "--workers", "1")
     return root / "bin"
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does in the CLIs)
-from conftest import USER_DIR, corpus_lines, fairseq_cli, labelled_data
+from conftest import USER_DIR, corpus_lines, fairseq_cli
 
 VARIANTS = ("lit", "d", "s")
 FORMS = ("parallel", "chunk", "recurrent")
@@ -223,12 +223,12 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin):
         lit.fill_mask(" ".join(["the"] * 63) + " <mask>")
 
 
-def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
+def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, labelled_data_bin, tmp_path):
     from lion_fairseq.models.lion_encoder import LionRobertaModel
 
     mlm_save, _ = mlm("s")
-    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
-    valid_labels = (tmp_path / "valid.label").read_text().split()
+    data = labelled_data_bin
+    valid_labels = (data.parent / "valid.label").read_text().split()
     chance = max(valid_labels.count("0"), valid_labels.count("1")) / len(valid_labels)
     save = tmp_path / "ft"
     proc = fairseq_cli(
@@ -261,12 +261,8 @@ def test_sentence_prediction_finetunes_from_mlm(mlm, text_data_bin, tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--lion-form", "fft"], r"--lion-form.*invalid choice: 'fft'"),
-    (["--lion-chunk-size", "0"], r"--lion-chunk-size must be an integer >= 1"),
-    (["--lion-feature-map", "identity"], r"--lion-feature-map identity .*--no-lion-normalize"),
-    # the tiny arch's 2 heads at another width are fine; lion_d's 12 at a tiny width are not
-    (["--arch", "lion_d", "--encoder-layers", "2", "--encoder-embed-dim", "128", "--encoder-ffn-embed-dim", "256"],
-     r"--encoder-embed-dim 128 must be divisible by --encoder-attention-heads 12"),
+    (["--lion-form", "fft"], r"--lion-form.*invalid choice: 'fft'"),  # refused by fairseq's argument parser
+    (["--lion-chunk-size", "0"], r"--lion-chunk-size must be an integer >= 1"),  # by the model as it is built
 ])
 def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, message):
     with pytest.raises(AssertionError, match=message):
@@ -275,12 +271,26 @@ def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, me
     assert not list(tmp_path.glob("*.pt"))
 
 
-def test_positions_mismatch_is_named_last(mlm, text_data_bin, tmp_path):
+@pytest.mark.parametrize("bad, message", [
+    (["--lion-feature-map", "identity"], r"--lion-feature-map identity .*--no-lion-normalize"),
+    # the tiny arch's 2 heads at another width are fine; lion_d's 12 at a tiny width are not
+    (["--arch", "lion_d", "--encoder-layers", "2", "--encoder-embed-dim", "128", "--encoder-ffn-embed-dim", "256"],
+     r"--encoder-embed-dim 128 must be divisible by --encoder-attention-heads 12"),
+])
+def test_bad_model_options_are_named(text_data_bin, bad, message):
+    """More options the model refuses as fairseq-train builds it (which then stops, as above)."""
+    from conftest import build_model
+
+    with pytest.raises(ValueError, match=message):
+        build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *bad)
+
+
+def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):
     """Fine-tuning LION-LIT with --max-positions 512 (the README's value when issue 28 was filed) from an
     MLM trained on 64-token samples: the error names the learned positions and what to pass, and is the
     last thing printed, after fairseq's own 'please ensure that the architectures match'."""
     mlm_save, _ = mlm("lit")
-    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
+    data = labelled_data_bin
     with pytest.raises(AssertionError) as failed:
         fairseq_cli("train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion",
                     "sentence_prediction", "--arch", "lion_lit_tiny", "--num-classes", "2", "--init-token", "0",
@@ -330,11 +340,11 @@ def test_trained_as_options_rebuild_the_model(pretrained, tmp_path):
     assert trained_as_options(OmegaConf.to_container(trained)) == trained_as_options(trained)
 
 
-def test_missing_restore_file_with_resets_is_refused(mlm, text_data_bin, tmp_path):
+def test_missing_restore_file_with_resets_is_refused(mlm, labelled_data_bin, tmp_path):
     """The README's fine-tuning command with a mistyped --restore-file: fairseq logged 'No existing
     checkpoint found' and fine-tuned a randomly initialised encoder; now it stops, naming the path."""
     mlm_save, _ = mlm("s")
-    data = labelled_data(tmp_path, text_data_bin / "dict.txt")
+    data = labelled_data_bin
     typo = mlm_save.parent / (mlm_save.name + "x") / "checkpoint_last.pt"
     with pytest.raises(AssertionError) as failed:
         fairseq_cli("train", str(data), *COMMON, "--task", "sentence_prediction", "--criterion",

@@ -108,11 +108,11 @@ def runs(text_data_bin, tmp_path_factory):
     - ``ddp``: two processes (ranks 0 and 1), ``--distributed-world-size 2 --distributed-backend gloo
       --cpu``, one batch of 4 each per update, started by hand (``--distributed-no-spawn``;
       ``--ddp-backend c10d`` hands torch a CUDA device id, see the next tests);
-    - ``spawn``: the same two ranks launched as on one multi-GPU node: one ``fairseq-train
+    - ``spawn`` (LM): the same two ranks launched as on one multi-GPU node: one ``fairseq-train
       --distributed-world-size 2`` that spawns its workers, the machine reporting two devices
-      (tests/two_devices.py); ``--user-dir`` relative to the checkout for the LM, the path that
-      ``lion-fairseq-user-dir`` prints for the MLM;
-    - ``torchrun`` (LM): the two ranks launched by ``torchrun --nproc-per-node 2`` (``env://``).
+      (tests/two_devices.py), ``--user-dir`` relative to the checkout;
+    - ``torchrun`` (LM): the two ranks launched by ``torchrun --nproc-per-node 2`` (``env://``), ``--user-dir``
+      the path that ``lion-fairseq-user-dir`` prints.
 
     Returns ``{task: {"dir": {kind: save dir}, "log": {kind: text}, "rc_killed": int, "at_kill": state}}``.
     """
@@ -128,9 +128,9 @@ def runs(text_data_bin, tmp_path_factory):
         extra = {"straight": ["--update-freq", "2"], "killed": ["--update-freq", "2"]}
         for r in (0, 1):
             extra[f"ddp{r}"] = rank_args(t, r, port)
-        extra["spawn"] = [*ranks, "--user-dir", "lion_fairseq" if t == "lm" else entry_point]
         commands = {"spawn": two_devices}
         if t == "lm":
+            extra["spawn"] = [*ranks, "--user-dir", "lion_fairseq"]
             extra["torchrun"] = [*ranks, "--user-dir", entry_point]
             commands["torchrun"] = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *two_devices[1:]]
@@ -208,8 +208,7 @@ def test_two_gloo_processes_resume_mid_epoch_to_the_same_parameters(runs, text_d
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("task, launch", [("lm", "ddp"), ("mlm", "ddp"), ("lm", "spawn"), ("mlm", "spawn"),
-                                          ("lm", "torchrun")])
+@pytest.mark.parametrize("task, launch", [("lm", "ddp"), ("mlm", "ddp"), ("lm", "spawn"), ("lm", "torchrun")])
 def test_two_gloo_processes_equal_one_process_with_update_freq_2(runs, task, launch):
     """Two CPU ranks with one batch each, however launched, give the losses and weights of one process with
     two batches per update (--update-freq 2)."""

@@ -13,7 +13,7 @@ from typing import List
 import pytest
 import torch
 
-from conftest import USER_DIR, build_model, fairseq_cli
+from conftest import USER_DIR, build_model, fairseq_cli, preprocess
 from lion_fairseq.benchmark.translation import write_reversal_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,9 +23,8 @@ def mt_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reversal")
     write_reversal_corpus(root)
     out = root / "bin"
-    fairseq_cli("preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(root / "train"),
-                "--validpref", str(root / "valid"), "--testpref", str(root / "test"), "--destdir", str(out),
-                "--workers", "1")
+    preprocess("--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(root / "train"), "--validpref",
+               str(root / "valid"), "--testpref", str(root / "test"), "--destdir", str(out), "--workers", "1")
     return out
 
 
@@ -168,14 +167,13 @@ def hypotheses(out: str) -> List[str]:
 
 def test_generate_beam_nbest_sampling_prefix_and_bleu(mt_data, trained):
     """fairseq-generate with beam search and --nbest, --max-len-b, sampling and --prefix-size; its BLEU
-    line; the same hypotheses and scores in every form (--model-overrides on the checkpoint)."""
-    beam = generate(mt_data, trained, "--beam", "4", "--nbest", "2", "--max-len-b", "20")
-    assert len(hypotheses(beam)) == 2 * 40 and "BLEU4 = " in beam
-    by_form = {form: hypotheses(generate(mt_data, trained, "--beam", "4", "--model-overrides",
-                                         f"{{'lion_form': '{form}'}}"))
-               for form in ("parallel", "recurrent")}
-    split = {form: [h.split("\t") for h in hyps] for form, hyps in by_form.items()}
-    assert len(split["parallel"]) == 40
+    line; the same hypotheses and scores in the parallel and the recurrent form (--model-overrides on the
+    checkpoint)."""
+    beam = {form: generate(mt_data, trained, "--beam", "4", "--nbest", "2", "--max-len-b", "20", "--model-overrides",
+                           f"{{'lion_form': '{form}'}}") for form in ("parallel", "recurrent")}
+    assert len(hypotheses(beam["parallel"])) == 2 * 40 and "BLEU4 = " in beam["parallel"]
+    split = {form: [h.split("\t") for h in hypotheses(out)] for form, out in beam.items()}
+    assert len(split["recurrent"]) == 2 * 40
     for (i, score, text), (i2, score2, text2) in zip(split["parallel"], split["recurrent"]):
         assert (i, text) == (i2, text2) and abs(float(score) - float(score2)) < 1e-4
     sampled = generate(mt_data, trained, "--sampling", "--sampling-topk", "5", "--beam", "1", "--seed", "2")
