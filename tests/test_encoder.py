@@ -285,6 +285,29 @@ def test_bad_model_options_are_named(text_data_bin, bad, message):
         build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *bad)
 
 
+@pytest.mark.parametrize("task, arch, bad, message", [
+    ("masked_lm", "lion_s_tiny", ["--mha-heads-to-keep", "2"], "structured pruning of softmax heads"),
+    ("language_modeling", "lion_s_lm_tiny", ["--decoder-learned-pos"], "pass --lion-positions learned"),
+    ("language_modeling", "lion_d_lm_tiny", ["--adaptive-softmax-cutoff", "100,200"], "no adaptive input or softmax"),
+    ("translation", "lion_s_transformer_tiny", ["--relu-dropout", "0.1"], "pass that"),
+])
+def test_options_of_softmax_models_name_what_to_pass(text_data_bin, capsys, task, arch, bad, message):
+    """An option of fairseq's softmax model that the LION model has not stops fairseq-train's parser with
+    what to pass instead (argparse said only "unrecognized arguments"); unset, it adds nothing to the config."""
+    from fairseq import options
+
+    def parse(*args):
+        parser = options.get_training_parser()
+        return options.parse_args_and_arch(parser, [str(text_data_bin), "--user-dir", USER_DIR, "--task", task,
+                                                    "--arch", arch, *args])
+
+    with pytest.raises(SystemExit):
+        parse(*bad)
+    err = capsys.readouterr().err
+    assert f"error: {bad[0]}: " in err and message in err, err
+    assert bad[0][2:].replace("-", "_") not in vars(parse())
+
+
 def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):
     """Fine-tuning LION-LIT with --max-positions 512 (the README's value when issue 28 was filed) from an
     MLM trained on 64-token samples: the error names the learned positions and what to pass, and is the

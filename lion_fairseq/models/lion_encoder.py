@@ -29,7 +29,8 @@ from ..modules.encoder_layer import LionEncoderLayer
 from .convert import ROBERTA, check_ties, is_softmax_roberta, softmax_to_lion
 from .hub import bpe_from_data, load_pretrained
 from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boolean_optional, checkpointed,
-                           fix_lion_flags, lion_attention_kwargs, lion_positions, set_unset, set_unset_from)
+                           fix_lion_flags, lion_attention_kwargs, lion_positions, refuse_softmax_only_options,
+                           set_unset, set_unset_from)
 
 
 @dataclass
@@ -306,6 +307,7 @@ class LionRobertaModel(ClearLoadErrors, RobertaModel):
     def add_args(cls, parser) -> None:
         gen_parser_from_dataclass(parser, LionEncoderConfig(), delete_default=True)
         fix_lion_flags(parser)
+        refuse_softmax_only_options(parser)
         boolean_optional(parser, "--layernorm-embedding")
 
     @classmethod

@@ -32,7 +32,7 @@ from ..modules.lion_attention import IncrementalState
 from .convert import LANGUAGE_MODEL, check_ties, is_softmax_lm, softmax_to_lion
 from .hub import ContinuationHubInterface, DataBpeHub
 from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, boolean_optional, checkpointed, fix_lion_flags,
-                           lion_attention_kwargs, lion_positions, set_unset)
+                           lion_attention_kwargs, lion_positions, refuse_softmax_only_options, set_unset)
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,7 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
     def add_args(cls, parser) -> None:
         super().add_args(parser)
         fix_lion_flags(parser)
+        refuse_softmax_only_options(parser)
         boolean_optional(parser, "--decoder-normalize-before")
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:

@@ -33,7 +33,7 @@ from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
-                           set_unset, set_unset_from)
+                           refuse_softmax_only_options, set_unset, set_unset_from)
 
 ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
@@ -109,6 +109,7 @@ class LionLRAModel(ClearLoadErrors, BaseFairseqModel):
     def add_args(cls, parser) -> None:
         gen_parser_from_dataclass(parser, LionLRAConfig(), delete_default=True)
         fix_lion_flags(parser)
+        refuse_softmax_only_options(parser)
         boolean_optional(parser, "--encoder-normalize-before")
         boolean_optional(parser, "--layernorm-embedding")
 

@@ -78,6 +78,45 @@ def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
                                 help=action.help)
 
 
+_POSITIONS = "LION's positions are chosen with --lion-positions"
+_ADAPTIVE = "LION models embed and predict over the whole dictionary (no adaptive input or softmax): leave it out"
+# options of fairseq's softmax models (roberta, transformer_lm, transformer) that a LION model has not, with
+# what to pass instead: argparse alone said "unrecognized arguments", and nothing of why or what instead
+SOFTMAX_ONLY_OPTIONS = {
+    "--decoder-learned-pos": f"{_POSITIONS}: pass --lion-positions learned",
+    "--encoder-learned-pos": f"{_POSITIONS}: pass --lion-positions learned",
+    "--no-token-positional-embeddings": f"{_POSITIONS}: pass --lion-positions none",
+    "--relu-dropout": "LION's FFN dropout is --activation-dropout: pass that",
+    "--attention-dropout": "LION has no attention weights to drop, and this model no dropout of its attention "
+                           "output: leave it out (--dropout and --activation-dropout are its)",
+    **dict.fromkeys(("--adaptive-input", "--adaptive-input-factor", "--adaptive-input-cutoff",
+                     "--adaptive-softmax-cutoff", "--adaptive-softmax-dropout", "--adaptive-softmax-factor",
+                     "--tie-adaptive-weights", "--tie-adaptive-proj"), _ADAPTIVE),
+    "--cross-self-attention": "LION's decoder attends to the source through its own cross-attention "
+                              "(--lion-cross-attention): leave it out",
+    **dict.fromkeys(("--mha-heads-to-keep", "--mha-reg-scale-factor", "--ffn-blocks-to-remove",
+                     "--ffn-reg-scale-factor"), "RoBERTa's structured pruning of softmax heads and FFN blocks is not "
+                                                "on LION layers: leave it out"),
+    **dict.fromkeys(("--quant-noise-pq", "--quant-noise-pq-block-size", "--quant-noise-scalar"),
+                    "quantization noise is not on this model's LION layers: leave it out"),
+}
+
+
+class _Refused(argparse.Action):
+    """An option of fairseq's softmax model that this LION model has not: stops the parser naming the fix."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {SOFTMAX_ONLY_OPTIONS[option_string]}")
+
+
+def refuse_softmax_only_options(parser: argparse.ArgumentParser) -> None:
+    """Make each of ``SOFTMAX_ONLY_OPTIONS`` that this model's parser lacks a hidden option that stops
+    fairseq-train with what to pass instead. Unset, it adds nothing to the parsed arguments."""
+    for option in SOFTMAX_ONLY_OPTIONS:
+        if option not in parser._option_string_actions:
+            parser.add_argument(option, action=_Refused, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def fix_lion_flags(parser: argparse.ArgumentParser) -> None:
     """``--lion-normalize/--no-lion-normalize``, ``--lion-output-gate/--no-lion-output-gate``."""
     boolean_optional(parser, "--lion-normalize")

@@ -34,7 +34,7 @@ from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, check_ties, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
-                           set_unset, set_unset_from)
+                           refuse_softmax_only_options, set_unset, set_unset_from)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
@@ -135,6 +135,7 @@ class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
         # this config's options (TransformerModelBase.add_args would add fairseq's TransformerConfig's)
         BaseFairseqModel.add_args.__func__(cls, parser)
         fix_lion_flags(parser)
+        refuse_softmax_only_options(parser)
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
         """fairseq's own upgrades, then a softmax ``transformer``'s weights made this model's: what fairseq
