@@ -68,8 +68,8 @@ def fairseq_cli(module: str, *args: str, cwd=None, timeout=900, stdin=None) -> s
 
 
 def preprocess(*args: str) -> None:
-    """fairseq-preprocess in this process, for a fixture's data (the command itself runs as users run it in
-    test_recipes.py and test_preprocess.py): no second Python to start and import fairseq."""
+    """fairseq-preprocess in this process, for a fixture's data (the command itself runs as users type it in
+    test_recipes.py's recipes): no second Python to start and import fairseq."""
     import logging
 
     from fairseq import options

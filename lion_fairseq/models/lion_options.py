@@ -87,8 +87,8 @@ SOFTMAX_ONLY_OPTIONS = {
     "--encoder-learned-pos": f"{_POSITIONS}: pass --lion-positions learned",
     "--no-token-positional-embeddings": f"{_POSITIONS}: pass --lion-positions none",
     "--relu-dropout": "LION's FFN dropout is --activation-dropout: pass that",
-    "--attention-dropout": "LION has no attention weights to drop, and this model no dropout of its attention "
-                           "output: leave it out (--dropout and --activation-dropout are its)",
+    "--attention-dropout": "LION has no attention weights to drop, and this model does not drop its attention "
+                           "output: leave it out (its dropouts are --dropout and --activation-dropout)",
     **dict.fromkeys(("--adaptive-input", "--adaptive-input-factor", "--adaptive-input-cutoff",
                      "--adaptive-softmax-cutoff", "--adaptive-softmax-dropout", "--adaptive-softmax-factor",
                      "--tie-adaptive-weights", "--tie-adaptive-proj"), _ADAPTIVE),
