@@ -290,6 +290,7 @@ def test_bad_model_options_are_named(text_data_bin, bad, message):
     ("language_modeling", "lion_s_lm_tiny", ["--decoder-learned-pos"], "pass --lion-positions learned"),
     ("language_modeling", "lion_d_lm_tiny", ["--adaptive-softmax-cutoff", "100,200"], "no adaptive input or softmax"),
     ("translation", "lion_s_transformer_tiny", ["--relu-dropout", "0.1"], "pass that"),
+    ("translation", "lion_d_transformer_tiny", ["--no-cross-attention"], "always attends to the source"),
 ])
 def test_options_of_softmax_models_name_what_to_pass(text_data_bin, capsys, task, arch, bad, message):
     """An option of fairseq's softmax model that the LION model has not stops fairseq-train's parser with

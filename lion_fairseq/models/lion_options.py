@@ -99,6 +99,18 @@ SOFTMAX_ONLY_OPTIONS = {
                                                 "on LION layers: leave it out"),
     **dict.fromkeys(("--quant-noise-pq", "--quant-noise-pq-block-size", "--quant-noise-scalar"),
                     "quantization noise is not on this model's LION layers: leave it out"),
+    "--no-cross-attention": "a LION translation model's decoder always attends to the source: leave it out",
+    **dict.fromkeys(("--decoder-input-dim", "--decoder-output-dim"),
+                    "a LION decoder has one width, --decoder-embed-dim: leave it out"),
+    **dict.fromkeys(("--character-embeddings", "--character-filters", "--character-embedding-dim",
+                     "--char-embedder-highway-layers", "--char-inputs"),
+                    "LION models embed the dictionary's tokens (no character embedder): leave it out"),
+    **dict.fromkeys(("--base-layers", "--base-sublayers", "--base-shuffle"),
+                    "BASE layers (experts) are not in LION models: leave it out"),
+    **dict.fromkeys(("--scale-attn", "--scale-fc", "--scale-heads", "--scale-resids"),
+                    "NormFormer's extra scalings are not on LION layers: leave it out"),
+    **dict.fromkeys(("--encoder-xformers-att-config", "--decoder-xformers-att-config"),
+                    "LION's attention is its own, not xformers' (--lion-form chooses how it is computed): leave it out"),
 }
 
 
