@@ -3,7 +3,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 from preprocess.errors import PreprocessError
 from preprocess.progress import call_with_heartbeat
@@ -26,32 +26,43 @@ def binarize(dict_file: Path, splits: Dict[str, Path], destdir: Path, workers: i
     for path in [dict_file, destdir, *splits.values()]:
         if "," in str(path):  # fairseq reads "a,b" as two files
             raise PreprocessError(f"fairseq's preprocess splits paths on ',': {path}")
-    from fairseq import options
     from fairseq_cli import preprocess as fairseq_preprocess
 
+    workers = max(1, workers)
     argv = ["--only-source", "--srcdict", str(dict_file), "--destdir", str(destdir),
-            "--workers", str(max(1, workers)), "--dataset-impl", "mmap"]
+            "--workers", str(workers), "--dataset-impl", "mmap"]
     for split, path in splits.items():
         argv += [SPLIT_OPTIONS[split], str(path)]
-    args = options.get_preprocessing_parser().parse_args(argv)
     logger = fairseq_preprocess.logger
-    before = list(logger.handlers)
     # main() logs its whole argparse Namespace (60 options); our preprocess.json records the command.
     quiet = lambda record: not isinstance(record.msg, argparse.Namespace)  # noqa: E731
     logger.addFilter(quiet)
     log.info("binarising %s into %s with fairseq (%d worker%s)", ", ".join(splits), destdir,
-             args.workers, "s" if args.workers > 1 else "")
+             workers, "s" if workers > 1 else "")
     start = time.time()
     try:
-        call_with_heartbeat(lambda: fairseq_preprocess.main(args), "fairseq binarising")
+        call_with_heartbeat(lambda: run_fairseq_preprocess(argv), "fairseq binarising")
     except (AssertionError, OSError, RuntimeError, ValueError) as e:
         raise PreprocessError(f"fairseq preprocess failed on {destdir}: {type(e).__name__}: {e}") from e
     finally:
         logger.removeFilter(quiet)
+    log.info("binarised in %.1fs", time.time() - start)
+
+
+def run_fairseq_preprocess(argv: List[str]) -> None:
+    """``fairseq-preprocess argv`` in this process (one fairseq import for all calls)."""
+    from fairseq import options
+    from fairseq_cli import preprocess as fairseq_preprocess
+
+    args = options.get_preprocessing_parser().parse_args(argv)
+    logger = fairseq_preprocess.logger
+    before = list(logger.handlers)
+    try:
+        fairseq_preprocess.main(args)
+    finally:
         # main() adds a FileHandler on destdir/preprocess.log each call; drop it so later calls
-        # (and the rename of the staging folder) do not keep writing to an old file.
+        # (and the rename of a staging folder) do not keep writing to an old file.
         for handler in list(logger.handlers):
             if handler not in before:
                 logger.removeHandler(handler)
                 handler.close()
-    log.info("binarised in %.1fs", time.time() - start)

@@ -70,19 +70,9 @@ def fairseq_cli(module: str, *args: str, cwd=None, timeout=900, stdin=None) -> s
 def preprocess(*args: str) -> None:
     """fairseq-preprocess in this process, for a fixture's data (the command itself runs as users type it in
     test_recipes.py's recipes): no second Python to start and import fairseq."""
-    import logging
+    from preprocess.binarize import run_fairseq_preprocess
 
-    from fairseq import options
-    from fairseq_cli import preprocess as command
-
-    logger = logging.getLogger("fairseq_cli.preprocess")
-    handlers = list(logger.handlers)
-    try:
-        command.main(options.get_preprocessing_parser().parse_args(list(args)))
-    finally:  # it adds a log file handler per call
-        for handler in set(logger.handlers) - set(handlers):
-            logger.removeHandler(handler)
-            handler.close()
+    run_fairseq_preprocess(list(args))
 
 
 @pytest.fixture(scope="session")
