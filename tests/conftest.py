@@ -1,5 +1,6 @@
 """Shared fixtures: a small real English corpus (pydoc_data.topics, shipped with every Python),
 binarised by fairseq-preprocess once per test session."""
+import argparse
 import os
 import random
 import re
@@ -104,14 +105,20 @@ def labelled_data(root: Path, dict_txt: Path) -> Path:
     return out
 
 
-def build_model(data: Path, task: str, *args: str):
-    """(task, model) as fairseq-train builds them from ``data`` and command-line ``args``, in train mode."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+def training_args(data: Path, task: str, *args: str) -> argparse.Namespace:
+    """fairseq-train's parsed command line for ``data`` and ``args``, with this plugin's ``--user-dir``."""
+    from fairseq import options
 
     parser = options.get_training_parser()
-    ns = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--task", task, *args])
-    cfg = convert_namespace_to_omegaconf(ns)
+    return options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--task", task, *args])
+
+
+def build_model(data: Path, task: str, *args: str):
+    """(task, model) as fairseq-train builds them from ``data`` and command-line ``args``, in train mode."""
+    from fairseq import tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(training_args(data, task, *args))
     t = tasks.setup_task(cfg.task)
     return t, t.build_model(cfg.model)
 

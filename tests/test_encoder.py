@@ -295,18 +295,13 @@ def test_bad_model_options_are_named(text_data_bin, bad, message):
 def test_options_of_softmax_models_name_what_to_pass(text_data_bin, capsys, task, arch, bad, message):
     """An option of fairseq's softmax model that the LION model has not stops fairseq-train's parser with
     what to pass instead (argparse said only "unrecognized arguments"); unset, it adds nothing to the config."""
-    from fairseq import options
-
-    def parse(*args):
-        parser = options.get_training_parser()
-        return options.parse_args_and_arch(parser, [str(text_data_bin), "--user-dir", USER_DIR, "--task", task,
-                                                    "--arch", arch, *args])
+    from conftest import training_args
 
     with pytest.raises(SystemExit):
-        parse(*bad)
+        training_args(text_data_bin, task, "--arch", arch, *bad)
     err = capsys.readouterr().err
     assert f"error: {bad[0]}: " in err and message in err, err
-    assert bad[0][2:].replace("-", "_") not in vars(parse())
+    assert bad[0][2:].replace("-", "_") not in vars(training_args(text_data_bin, task, "--arch", arch))
 
 
 def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):
