@@ -63,7 +63,8 @@ TARGETS = {
         switches=dict(decoder_normalize_before=("--decoder-normalize-before", "--no-decoder-normalize-before"),
                       no_decoder_final_norm=("--no-decoder-final-norm",),
                       share_decoder_input_output_embed=("--share-decoder-input-output-embed",),
-                      no_scale_embedding=("--no-scale-embedding",))),
+                      no_scale_embedding=("--no-scale-embedding",),
+                      layernorm_embedding=("--layernorm-embedding",))),
     "lion_transformer": Target(
         teacher="transformer", task=("--task", "translation", "--criterion", "cross_entropy"),
         criterion="CrossEntropyCriterion", hub="LionTransformerModel",
@@ -74,7 +75,7 @@ TARGETS = {
         switches={k: ("--" + k.replace("_", "-"),) for k in (
             "encoder_normalize_before", "decoder_normalize_before", "encoder_learned_pos", "decoder_learned_pos",
             "no_token_positional_embeddings", "share_decoder_input_output_embed", "share_all_embeddings",
-            "no_scale_embedding", "layernorm_embedding")}),
+            "no_scale_embedding", "layernorm_embedding", "no_decoder_final_norm")}),
 }
 
 

@@ -420,6 +420,28 @@ def test_lm_converted_keeps_what_the_teacher_learned(transformer_lm, text_data_b
     assert math.isfinite(converted) and converted - taught < 0.1 * (fresh - taught), (taught, converted, fresh)
 
 
+def test_lm_an_embedding_layernorm_converts_and_embeds_as_the_teacher(text_data_bin):
+    """A teacher with --layernorm-embedding (fairseq normalises the scaled, positioned embeddings) starts a
+    LION LM built with it: every tensor is copied, and the converted model's input to its first layer is
+    the teacher's, value for value (scale, positions and the LayerNorm, in fairseq's order)."""
+    torch.manual_seed(0)
+    task, teacher = build_model(text_data_bin, "language_modeling", "--arch", "transformer_lm", *LM_SIZE,
+                                "--decoder-input-dim", "64", "--decoder-output-dim", "64", "--decoder-learned-pos",
+                                "--layernorm-embedding")
+    with torch.no_grad():  # not LayerNorm's initial ones and zeros, which a missing norm would nearly match
+        for p in teacher.decoder.layernorm_embedding.parameters():
+            p.normal_()
+    model = lion_lm(text_data_bin, "lion_lit_lm_tiny", "--layernorm-embedding")[1]
+    model.load_state_dict(dict(teacher.state_dict()), strict=True)
+    mine, theirs = model.state_dict(), teacher.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    tokens = torch.randint(4, len(task.source_dictionary), (2, 12))
+    teacher.eval(), model.eval()
+    with torch.no_grad():
+        expected, got = (m(tokens)[1]["inner_states"][0] for m in (teacher, model))
+    torch.testing.assert_close(got, expected)
+
+
 def _with(**extra_tensors):
     def edit(state):
         state.update({k: torch.zeros(shape) for k, shape in extra_tensors.items()})
@@ -444,6 +466,9 @@ def _without(key):
      "pass --decoder-normalize-before"),
     # sinusoidal positions (no weights) into LION-LIT's learned ones
     ("lion_lit_lm_tiny", [], _without("decoder.embed_positions.weight"), "--lion-positions none"),
+    ("lion_s_lm_tiny", [], _with(**{"decoder.layernorm_embedding.weight": (64,),
+                                    "decoder.layernorm_embedding.bias": (64,)}), "pass --layernorm-embedding"),
+    ("lion_s_lm_tiny", ["--layernorm-embedding"], None, "drop --layernorm-embedding"),
     ("lion_s_lm_tiny", [], _with(**{"decoder.project_in_dim.weight": (64, 512)}), "--decoder-input-dim"),
     ("lion_s_lm_tiny", [], _with(**{"decoder.adaptive_softmax.head.weight": (4, 64)}), "--adaptive-softmax-cutoff"),
 ])

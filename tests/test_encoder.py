@@ -1,6 +1,7 @@
 """The LION encoders through fairseq itself: masked-LM training with fairseq-train, checkpoint reload,
 form switching, padding, GLUE-style fine-tuning from the MLM checkpoint, the hub interface, gate
 gradients and option errors. Tiny models on a small real corpus (pydoc topics), CPU."""
+import argparse
 import json
 import re
 from pathlib import Path
@@ -302,6 +303,24 @@ def test_options_of_softmax_models_name_what_to_pass(text_data_bin, capsys, task
     err = capsys.readouterr().err
     assert f"error: {bad[0]}: " in err and message in err, err
     assert bad[0][2:].replace("-", "_") not in vars(training_args(text_data_bin, task, "--arch", arch))
+
+
+@pytest.mark.parametrize("task, softmax_arch, arch", [("masked_lm", "roberta_base", "lion_s_tiny"),
+                                                       ("language_modeling", "transformer_lm", "lion_s_lm_tiny"),
+                                                       ("translation", "transformer", "lion_s_transformer_tiny")])
+def test_every_option_of_the_softmax_model_is_taken_or_refused(text_data_bin, task, softmax_arch, arch):
+    """Every option of the fairseq model a LION model stands beside is on the LION model's fairseq-train
+    command line: as an option of its own (or of the task), or refused naming what to pass instead. None is
+    argparse's bare "unrecognized arguments" to a user who carries a command over."""
+    from fairseq import options
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    softmax = argparse.ArgumentParser()
+    ARCH_MODEL_REGISTRY[softmax_arch].add_args(softmax)
+    parser = options.get_training_parser()  # parse_args_and_arch adds the task's and the model's options to it
+    options.parse_args_and_arch(parser, [str(text_data_bin), "--user-dir", USER_DIR, "--task", task, "--arch", arch])
+    taken = parser._option_string_actions
+    assert sorted(o for o in softmax._option_string_actions if o not in taken) == []
 
 
 def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):

@@ -233,14 +233,17 @@ def state_tensors(state):
             for name, t in sorted(d.items())}
 
 
-@pytest.mark.parametrize("arch", ["lion_lit_lm_tiny", "lion_d_lm_tiny", "lion_s_lm_tiny"])
-def test_prefill_then_steps_equal_full_forward_and_state_is_constant(arch, text_data_bin):
+@pytest.mark.parametrize("arch,extra", [("lion_lit_lm_tiny", []), ("lion_d_lm_tiny", []), ("lion_s_lm_tiny", []),
+                                        ("lion_lit_lm_tiny", ["--layernorm-embedding"])])
+def test_prefill_then_steps_equal_full_forward_and_state_is_constant(arch, extra, text_data_bin):
     """A padded batch of prompts prefilled in one call, then decoded token by token the way fairseq's
     generator calls it (whole prefix each step), gives the logits of one full forward over each unpadded
     sentence; the state has the same shapes after 6 or 300 tokens of context."""
     torch.manual_seed(0)
     task, model = build(text_data_bin, "--arch", arch, "--lion-form", "chunk", "--lion-chunk-size", "4",
-                        "--max-target-positions", "512")  # lit's learned positions must reach 300
+                        "--max-target-positions", "512", *extra)  # lit's learned positions must reach 300
+    if extra:  # not LayerNorm's initial ones and zeros
+        torch.nn.init.normal_(model.decoder.layernorm_embedding.weight)
     pad, V = task.source_dictionary.pad(), len(task.source_dictionary)
     sents = [torch.randint(4, V, (n,)) for n in (9, 5, 7)]
     cont = torch.randint(4, V, (3, 4))  # continuation tokens, one column per step

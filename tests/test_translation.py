@@ -140,6 +140,27 @@ def test_options_reach_the_layers_and_bad_ones_are_refused(mt_data):
         build(mt_data, "s", "softmax", "--lion-feature-map", "identity")
 
 
+def test_transformers_final_norm_and_embedding_file_options(mt_data, tmp_path):
+    """fairseq's transformer options --no-decoder-final-norm and --encoder-embed-path/--decoder-embed-path act
+    as there: no LayerNorm after the last pre-norm decoder layer; each side's embeddings start from the file's
+    vectors (fairseq's text format: a header line, then a token and its vector per line)."""
+    task, model = build(mt_data, "s", "softmax", "--decoder-normalize-before")
+    assert model.decoder.layer_norm is not None
+    files = {}
+    for side, dictionary in (("encoder", task.source_dictionary), ("decoder", task.target_dictionary)):
+        vectors = {dictionary[i]: torch.randn(128) for i in range(dictionary.nspecial, dictionary.nspecial + 3)}
+        files[side] = (tmp_path / f"{side}.vec", dictionary, vectors)
+        files[side][0].write_text("3 128\n" + "".join(
+            f"{word} {' '.join(map(str, v.tolist()))}\n" for word, v in vectors.items()))
+    _, model = build(mt_data, "s", "softmax", "--decoder-normalize-before", "--no-decoder-final-norm",
+                     "--encoder-embed-path", str(files["encoder"][0]), "--decoder-embed-path", str(files["decoder"][0]))
+    assert model.decoder.layer_norm is None
+    for side, (_, dictionary, vectors) in files.items():
+        table = getattr(model, side).embed_tokens.weight
+        for word, v in vectors.items():
+            torch.testing.assert_close(table[dictionary.index(word)], v)
+
+
 # ---- fairseq's tools, as a user runs them ---------------------------------------------------------------
 
 TRAIN = ["--task", "translation", "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "0.003",

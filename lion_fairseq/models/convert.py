@@ -101,20 +101,19 @@ LANGUAGE_MODEL = Layout(
                    (r"fc1\.|fc2\.", "--decoder-ffn-embed-dim"),
                    (r".", "--decoder-embed-dim")),
     droppable=r"(^|\.)version$|embed_positions\.|_float_tensor$",
-    structure="pass the teacher's --decoder-normalize-before / --no-decoder-normalize-before and "
-              "--no-decoder-final-norm",
+    structure="pass the teacher's --decoder-normalize-before / --no-decoder-normalize-before, "
+              "--no-decoder-final-norm and --layernorm-embedding",
     untie="drop --share-decoder-input-output-embed: the checkpoint's input and output embeddings are separate",
     tie="pass --share-decoder-input-output-embed",
     extra=((r"^decoder\.layer_norm\.",
             "the teacher is pre-norm with a final LayerNorm: pass --decoder-normalize-before (the default) "
             "without --no-decoder-final-norm"),
-           (r"layernorm_embedding\.",
-            "the teacher has --layernorm-embedding, and the LION LM has no LayerNorm on its embeddings: only a "
-            "teacher without it converts")),
+           (r"layernorm_embedding\.", "the teacher has a LayerNorm on its embeddings: pass --layernorm-embedding")),
     missing=((r"^decoder\.layer_norm\.",
               "the teacher has no final LayerNorm: it is post-norm (fairseq's --arch transformer_lm without "
               "--decoder-normalize-before: pass --no-decoder-normalize-before) or pre-norm trained with "
               "--no-decoder-final-norm (pass that)"),
+             (r"layernorm_embedding\.", "the teacher has no LayerNorm on its embeddings: drop --layernorm-embedding"),
              (r"embed_positions\.weight",
               "the teacher has no learned positions (fairseq's sinusoidal ones have no weights, and LION has no "
               "such kind): pass --lion-positions none, or start from a teacher trained with --decoder-learned-pos")),
@@ -133,8 +132,8 @@ TRANSLATION = Layout(
                    (r".", "--decoder-embed-dim")),
     # positions are fairseq's on both sides, so learned ones are never dropped
     droppable=r"(^|\.)version$|_float_tensor$",
-    structure="pass the teacher's --encoder-normalize-before, --decoder-normalize-before, --layernorm-embedding, "
-              "--encoder-learned-pos, --decoder-learned-pos or --no-token-positional-embeddings",
+    structure="pass the teacher's --encoder-normalize-before, --decoder-normalize-before, --no-decoder-final-norm, "
+              "--layernorm-embedding, --encoder-learned-pos, --decoder-learned-pos or --no-token-positional-embeddings",
     untie="drop --share-all-embeddings / --share-decoder-input-output-embed: the checkpoint's embeddings are "
           "separate",
     tie="pass the teacher's --share-all-embeddings or --share-decoder-input-output-embed",

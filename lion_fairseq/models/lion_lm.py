@@ -54,6 +54,7 @@ class LionLMConfig(LionOptions):
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
     no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})
+    layernorm_embedding: bool = field(default=False, metadata={"help": "a LayerNorm on the (positioned) embeddings"})
     # None: the arch decides (pre-norm); a checkpoint saved before this field existed is pre-norm too
     decoder_normalize_before: Optional[bool] = field(
         default=None, metadata={"help": "pre-norm layers and a final LayerNorm (the default); "
@@ -70,7 +71,8 @@ class LionLMConfig(LionOptions):
 
 
 class LionLMDecoder(FairseqIncrementalDecoder):
-    """Token (and, for ``--lion-positions learned``, position) embeddings, ``decoder_layers`` causal
+    """Token (and, for ``--lion-positions learned``, position) embeddings (``--layernorm-embedding``: then a
+    LayerNorm), ``decoder_layers`` causal
     ``LionDecoderLayer``s, a final LayerNorm (pre-norm layers without ``--no-decoder-final-norm``) and the
     output projection. Submodule names are those of fairseq's ``TransformerDecoder``.
 
@@ -100,6 +102,8 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         else:
             self.max_target_positions = UNBOUNDED_POSITIONS
             self.embed_positions = None
+        # a checkpoint saved before the option has none
+        self.layernorm_embedding = LayerNorm(dim) if getattr(cfg, "layernorm_embedding", False) else None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         layers = [checkpointed(
             LionDecoderLayer(dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads, attention_kwargs,
@@ -144,6 +148,8 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         x = self.embed_scale * embed_tokens_checked(self.embed_tokens, tokens)
         if self.embed_positions is not None:
             x = x + self.embed_positions(self._positions(pad, seen))
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         x = self.dropout_module(x).transpose(0, 1)  # (T, B, C)
 
         # the mask costs a pass over the data; most training batches have no padding
@@ -261,6 +267,7 @@ def lion_lm_base(args: Any) -> None:
         decoder_attention_heads=8,
         share_decoder_input_output_embed=False,
         no_scale_embedding=False,
+        layernorm_embedding=False,
         decoder_normalize_before=True,
         no_decoder_final_norm=False,
     ))

@@ -111,6 +111,11 @@ SOFTMAX_ONLY_OPTIONS = {
                     "NormFormer's extra scalings are not on LION layers: leave it out"),
     **dict.fromkeys(("--encoder-xformers-att-config", "--decoder-xformers-att-config"),
                     "LION's attention is its own, not xformers' (--lion-form chooses how it is computed): leave it out"),
+    "--merge-src-tgt-embed": "for one embedding table on both sides, binarise with fairseq-preprocess "
+                             "--joined-dictionary and pass --share-all-embeddings",
+    "--export": "LION models are not exported through TorchScript: leave it out",
+    "--min-params-to-wrap": "fully sharded training (--ddp-backend fully_sharded) does not wrap LION's layers one by "
+                            "one: leave it out",
 }
 
 

@@ -69,6 +69,13 @@ class LionTransformerConfig(LionOptions):
         default=False, metadata={"help": "share encoder, decoder and output embeddings (a joined dictionary)"})
     no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(dim)"})
     layernorm_embedding: bool = field(default=False, metadata={"help": "layernorm on the embeddings"})
+    no_decoder_final_norm: bool = field(
+        default=False, metadata={"help": "no LayerNorm after the decoder's last pre-norm layer"})
+    encoder_embed_path: Optional[str] = field(
+        default=None, metadata={"help": "path to pre-trained encoder embeddings (a text file: a header line, then "
+                                        "a token and its vector per line)"})
+    decoder_embed_path: Optional[str] = field(
+        default=None, metadata={"help": "path to pre-trained decoder embeddings"})
     # LayerDrop, as fairseq's transformer: fairseq prunes a LayerDrop-trained checkpoint's layers to the
     # *_layers_to_keep on load (prune_state_dict reads them from the model config)
     encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for encoder"})
