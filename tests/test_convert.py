@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does)
-from conftest import ROOT, USER_DIR, build_model, fairseq_cli, preprocess
+from conftest import ROOT, USER_DIR, build_model, fairseq_cli, preprocess, training_args
 from lion_fairseq.models.convert import GATE_LOGIT
 
 SIZE = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
@@ -526,13 +526,11 @@ def test_lm_convert_command_reads_the_structure_then_hub(transformer_lm, text_da
 def test_lion_lm_checkpoints_saved_before_the_norm_options_load_pre_norm(text_data_bin, tmp_path):
     """A lion_lm config without ``decoder_normalize_before`` / ``no_decoder_final_norm`` (every checkpoint
     saved before they existed) builds today's pre-norm model with its final LayerNorm, weights unchanged."""
-    from fairseq import checkpoint_utils, options
+    from fairseq import checkpoint_utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from omegaconf import OmegaConf
 
-    ns = options.parse_args_and_arch(options.get_training_parser(), [
-        str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "lion_s_lm_tiny",
-        "--tokens-per-sample", "32"])
+    ns = training_args(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-per-sample", "32")
     cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(ns), resolve=True, enum_to_str=True)
     del cfg["model"]["decoder_normalize_before"], cfg["model"]["no_decoder_final_norm"]
     weights = build_model(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny",

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import lion_fairseq  # noqa: F401  (registers the models, as --user-dir does in the CLIs)
-from conftest import USER_DIR, corpus_lines, fairseq_cli
+from conftest import USER_DIR, build_model, corpus_lines, fairseq_cli, training_args
 
 VARIANTS = ("lit", "d", "s")
 FORMS = ("parallel", "chunk", "recurrent")
@@ -280,8 +280,6 @@ def test_bad_options_stop_with_the_option_named(text_data_bin, tmp_path, bad, me
 ])
 def test_bad_model_options_are_named(text_data_bin, bad, message):
     """More options the model refuses as fairseq-train builds it (which then stops, as above)."""
-    from conftest import build_model
-
     with pytest.raises(ValueError, match=message):
         build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *bad)
 
@@ -296,8 +294,6 @@ def test_bad_model_options_are_named(text_data_bin, bad, message):
 def test_options_of_softmax_models_name_what_to_pass(text_data_bin, capsys, task, arch, bad, message):
     """An option of fairseq's softmax model that the LION model has not stops fairseq-train's parser with
     what to pass instead (argparse said only "unrecognized arguments"); unset, it adds nothing to the config."""
-    from conftest import training_args
-
     with pytest.raises(SystemExit):
         training_args(text_data_bin, task, "--arch", arch, *bad)
     err = capsys.readouterr().err
@@ -356,16 +352,13 @@ def test_trained_as_options_rebuild_the_model(pretrained, tmp_path):
     ``--lion-feature-map elu`` as silu_norm (logged, and trained on)."""
     import shlex
 
-    from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     from lion_fairseq.clear_errors import FIXED_BY_TRAINING, trained_as_options
     from lion_fairseq.models.lion_options import built_value
 
     def model_cfg(argv):
-        ns = options.parse_args_and_arch(options.get_training_parser(), [
-            str(tmp_path), "--user-dir", USER_DIR, "--task", "masked_lm", *argv])
-        return convert_namespace_to_omegaconf(ns).model
+        return convert_namespace_to_omegaconf(training_args(tmp_path, "masked_lm", *argv)).model
 
     trained = model_cfg(pretrained)
     rebuilt = model_cfg(shlex.split(trained_as_options(trained)))
@@ -416,8 +409,6 @@ def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path
 
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     from lion_fairseq.clear_errors import first_difference
-    from conftest import build_model
-
     def weights(*args):
         return build_model(text_data_bin, "masked_lm", "--tokens-per-sample", "64", *args)[1].state_dict()
 

@@ -196,15 +196,14 @@ def test_a_config_without_the_levers_is_the_papers_model():
 
 def _lm(tmp_path, *args):
     """(cfg, task, model) of a causal LM as fairseq-train builds them, over a 40-word dictionary."""
-    from fairseq import options, tasks
+    from fairseq import tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from conftest import USER_DIR
+    from conftest import training_args
 
     (tmp_path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
-    ns = options.parse_args_and_arch(options.get_training_parser(), [
-        str(tmp_path), "--user-dir", USER_DIR, "--task", "language_modeling", "--tokens-per-sample", "32", *args])
-    cfg = convert_namespace_to_omegaconf(ns)
+    cfg = convert_namespace_to_omegaconf(training_args(tmp_path, "language_modeling", "--tokens-per-sample", "32",
+                                                       *args))
     task = tasks.setup_task(cfg.task)
     return cfg, task, task.build_model(cfg.model)
 

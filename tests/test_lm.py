@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models in this process, as --user-dir does in the CLIs)
-from conftest import USER_DIR
+from conftest import USER_DIR, build_model
 
 TRAIN = ["--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-per-sample", "64",
          "--batch-size", "16", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt",
@@ -60,15 +60,8 @@ def load_hub(ckpt, data, **overrides):
 
 def build(data, *args):
     """(task, model) built the way fairseq-train builds them, untrained, in eval mode."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    parser = options.get_training_parser()
-    ns = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--task", "language_modeling",
-                                              "--tokens-per-sample", "64", *args])
-    cfg = convert_namespace_to_omegaconf(ns)
-    task = tasks.setup_task(cfg.task)
-    return task, task.build_model(cfg.model).eval()
+    task, model = build_model(data, "language_modeling", "--tokens-per-sample", "64", *args)
+    return task, model.eval()
 
 
 def set_form(model, form):

@@ -13,7 +13,7 @@ from typing import List
 import pytest
 import torch
 
-from conftest import USER_DIR, build_model, fairseq_cli, preprocess
+from conftest import USER_DIR, build_model, fairseq_cli, preprocess, training_args
 from lion_fairseq.benchmark.translation import write_reversal_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -96,10 +96,9 @@ def test_alignment_is_refused_where_linear_cross_attention_forms_no_weights(mt_d
 def test_builds_from_the_parsers_namespace_as_from_its_config(mt_data):
     """fairseq's legacy path builds a model from the parser's Namespace, which lacks every option not
     typed (their defaults are deleted there): the same model as from the config fairseq-train makes."""
-    from fairseq import options, tasks
+    from fairseq import tasks
 
-    args = [str(mt_data), "--user-dir", USER_DIR, "--task", "translation", "--arch", "lion_d_transformer_tiny"]
-    ns = options.parse_args_and_arch(options.get_training_parser(), args)
+    ns = training_args(mt_data, "translation", "--arch", "lion_d_transformer_tiny")
     legacy = tasks.setup_task(ns).build_model(ns)
     _, model = build(mt_data, "d", "softmax", "--lion-chunk-size", "64")
     assert {k: v.shape for k, v in legacy.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
