@@ -565,9 +565,10 @@ def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tenso
                 f"differ in {difference}.")
     return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said}). The checkpoint "
             f"holds {describe_weights(state_dict)}; the model is {describe_weights(model.state_dict())}. To "
-            "continue or fine-tune it, build the model it was trained as; to start a different architecture "
-            "from scratch, drop --restore-file / --finetune-from-model (and use a new --save-dir, since "
-            "fairseq-train reloads <save-dir>/checkpoint_last.pt). "
+            "continue or fine-tune it, build the model it was trained as; to evaluate or generate with it, leave "
+            "out the --model-overrides or hub keyword that changed it; to start a different architecture from "
+            "scratch, drop --restore-file / --finetune-from-model (and use a new --save-dir, since fairseq-train "
+            "reloads <save-dir>/checkpoint_last.pt). "
             + (f"They differ first in {difference}." if difference else
                "Pass the checkpoint's own --arch and size options."))
 
@@ -725,10 +726,11 @@ def embed_tokens_checked(embed: torch.nn.Embedding, tokens: torch.Tensor) -> tor
         return embed(tokens)
     except IndexError as e:
         raise ValueError(
-            f"token id {int(tokens.max())} is past the dictionary's {embed.num_embeddings} entries: the binarised "
-            "data was made with another (larger) dictionary than the dict.txt in the data folder (or than the "
-            "checkpoint's). Binarise with fairseq-preprocess --srcdict <the dict.txt you train with>, or use the "
-            "dict.txt written next to these .bin files") from e
+            f"token id {int(tokens.max())} is past the dictionary's {embed.num_embeddings} entries: the tokens were "
+            "made with another (larger) dictionary than the dict.txt in the data folder (or than the checkpoint's). "
+            "Binarise with fairseq-preprocess --srcdict <the dict.txt you train with>, or use the dict.txt written "
+            "next to these .bin files; from Python, make token ids with the hub's encode() or its task's "
+            "dictionary") from e
 
 
 def check_learned_positions(longest: int, max_positions: int,

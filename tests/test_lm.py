@@ -524,6 +524,8 @@ def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin)
     hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin))
     with pytest.raises(ValueError, match=r"'temprature' \(did you mean 'temperature'\)"):
         hub.sample("the value", sampling=True, temprature=0.5, max_len_b=4)
+    with pytest.raises(ValueError, match=r"'beem' \(did you mean 'beam'\)"):
+        hub.sample("the value", beem=2, max_len_b=4)
     with pytest.raises(ValueError, match=r"'seed' \(not a generation option\).*torch\.manual_seed"):
         hub.sample("the value", sampling=True, seed=7, max_len_b=4)
     torch.manual_seed(0)

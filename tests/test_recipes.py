@@ -402,3 +402,12 @@ def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path)
         unk = hub.task.source_dictionary.unk()
         assert (tokens == unk).sum() == 0 and len(tokens) > len(sentence.split())
         assert hub.decode(tokens).strip() == sentence
+    # bpe='sentencepiece' as fairseq users pass it, without sentencepiece_model: the data's model too (fairseq
+    # looks beside the checkpoint only, and stopped at omegaconf's "Missing mandatory value")
+    named = LionLanguageModel.from_pretrained(str(tmp_path), "checkpoint_last.pt", str(spm_data), bpe="sentencepiece")
+    assert torch.equal(named.encode(sentence), lm.encode(sentence))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(spm_data / "dict.txt", bare)
+    with pytest.raises(FileNotFoundError, match="pass sentencepiece_model=<its path>"):
+        LionLanguageModel.from_pretrained(str(tmp_path), "checkpoint_last.pt", str(bare), bpe="sentencepiece")

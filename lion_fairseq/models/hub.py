@@ -60,7 +60,7 @@ def generation_keywords_message(unknown: Iterable[str], known: Iterable[str]) ->
     known = sorted(known)
     named = []
     for key in sorted(unknown):
-        near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.7)  # 0.7: 'beem' finds 'beam' (0.75)
         named.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not a generation option'})")
     seed = " (sampling repeats under torch.manual_seed)" if "seed" in unknown else ""
     return (f"{', '.join(named)}: fairseq would set it on the generation config, where nothing reads it, and "
@@ -188,6 +188,12 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
             found = sorted(f for f in os.listdir(model_name_or_path) if f.endswith(".pt"))
             raise FileNotFoundError(f"{where}: no checkpoint {missing[0]!r} in {model_name_or_path} (the second "
                                     f"argument, checkpoint_file); there: {', '.join(found) or 'no .pt files'}")
+    if kwargs.get("bpe") == "sentencepiece" and not kwargs.get("sentencepiece_model"):
+        # fairseq looks for the model beside the checkpoint only, and stops at omegaconf's "Missing mandatory value"
+        kwargs["sentencepiece_model"] = data_sentencepiece([data, model_name_or_path])
+        if kwargs["sentencepiece_model"] is None:
+            raise FileNotFoundError(f"{where}: bpe='sentencepiece' needs its model, and there is no {SPM} in the data "
+                                    f"folder {data} or beside the checkpoint: pass sentencepiece_model=<its path>")
     try:
         x = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
                                       archive_map=cls.hub_models(), **kwargs)
