@@ -72,9 +72,9 @@ class LionLMConfig(LionOptions):
 
 class LionLMDecoder(FairseqIncrementalDecoder):
     """Token (and, for ``--lion-positions learned``, position) embeddings (``--layernorm-embedding``: then a
-    LayerNorm), ``decoder_layers`` causal
-    ``LionDecoderLayer``s, a final LayerNorm (pre-norm layers without ``--no-decoder-final-norm``) and the
-    output projection. Submodule names are those of fairseq's ``TransformerDecoder``.
+    LayerNorm), ``decoder_layers`` causal ``LionDecoderLayer``s, a final LayerNorm (pre-norm layers without
+    ``--no-decoder-final-norm``) and the output projection. Submodule names are those of fairseq's
+    ``TransformerDecoder``.
 
     ``forward(prev_output_tokens)``: ``(B, T)`` token ids -> logits ``(B, T, V)`` and
     ``{"attn": [None], "inner_states": [(T, B, C)] * (layers + 1)}``.
