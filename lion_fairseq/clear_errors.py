@@ -377,8 +377,8 @@ def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int, break_mode
             f"{int(sizes.sum())} tokens. {fix} (with --context-window N to give each scored token more context "
             "within them). Learned positions (LION-LIT's default, --lion-positions learned) end at the training "
             "length: to score beyond it use a model trained with --lion-positions none (LION-D and LION-S's "
-            "default); sinusoidal ones (fairseq's transformer_lm) go further with --model-overrides "
-            "\"{'max_target_positions': N}\"")
+            "default); sinusoidal ones (fairseq's transformer_lm), and LION-D and LION-S trained with "
+            "--max-target-positions, go further with --model-overrides \"{'max_target_positions': N}\"")
 
 
 def empty_split_message(path: str) -> str:

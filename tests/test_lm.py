@@ -8,6 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -438,8 +439,6 @@ def test_untied_weights_are_not_tied_on_load(trained):
 def test_eval_lm_advice_follows_the_break_mode():
     """--tokens-per-sample bounds the samples of the 'none' break mode only: under eos (one sample a line) the
     advice for lines past the learned positions is the break mode, not the length already passed."""
-    import numpy as np
-
     from lion_fairseq.clear_errors import over_long_message
 
     sizes = np.array([10, 270, 20])
@@ -469,7 +468,7 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*learned positions")
         assert torch.isfinite(hub.score(" ".join(words[:63]))["positional_scores"]).all()
-    with pytest.raises(ValueError, match=r"a sequence of 65 tokens exceeds the 64 learned positions.*a shorter text"):
+    with pytest.raises(ValueError, match=r"a sequence of 65 tokens exceeds this model's 64 learned positions.*a shorter text"):
         hub.score(" ".join(words[:64]))
     with pytest.warns(UserWarning, match=r"a prompt of 62 tokens continues by at most 1 tokens, not 5"):
         assert len(hub.sample(" ".join(words[:62]), max_len_b=5, min_len=3).split()) == 63
@@ -485,6 +484,28 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*learned positions")
         hub.generate(hub.encode(" ".join(words[:40])), beam=1, max_len_b=5)
+
+
+def test_max_target_positions_bounds_lion_s_as_it_does_transformer_lm(trained, text_data_bin):
+    """LION-S has no positions and so no length limit, unless --max-target-positions sets one, as it does for
+    transformer_lm: fairseq then skips the longer samples of a line-by-line split, and the hub's answers name
+    the bound and how to go further (the option was ignored before)."""
+    from lion_fairseq import LionLanguageModel
+
+    assert build(text_data_bin, "--arch", "lion_s_lm_tiny")[1].max_positions() >= 10 ** 9
+    task, model = build(text_data_bin, "--arch", "lion_s_lm_tiny", "--sample-break-mode", "eos",
+                        "--max-target-positions", "20")
+    assert model.max_positions() == 20
+    task.load_dataset("valid")
+    data = task.dataset("valid")
+    indices = np.arange(len(data))
+    kept = task.filter_indices_by_size(indices, data, model.max_positions(), ignore_invalid_inputs=True)
+    assert 0 < len(kept) < len(indices) and (data.sizes[kept] <= 20).all()
+    ckpt, _ = trained
+    hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), max_target_positions=12)
+    with pytest.raises(ValueError, match=r"a prompt of 20 tokens leaves no room to continue in this model's 12 "
+                                         r"positions of --max-target-positions.*a larger max_target_positions"):
+        hub.sample(" ".join(["the"] * 20), max_len_b=3)
 
 
 def test_another_data_folder_is_named_as_the_misfit(trained, text_data_bin, tmp_path):

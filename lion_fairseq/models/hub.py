@@ -16,7 +16,6 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from fairseq.hub_utils import GeneratorHubInterface
 
-from ..clear_errors import check_learned_positions
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +111,16 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
         if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
             return self.generate(tokenized_sentences.unsqueeze(0), beam, verbose, skip_invalid_size_inputs,
                                  inference_step_args, prefix_allowed_tokens_fn, **kwargs)[0]
-        limit = min(model.max_positions() for model in self.models)  # bounded by learned positions only
+        # bounded by learned positions, or by --max-target-positions: say which
+        limit, bound, beyond = min((m.max_positions(), m.decoder.length_bound, m.decoder.beyond) for m in self.models)
         if kwargs.get("score_reference"):  # score(): nothing follows the text, which fits if its tokens do
             if not skip_invalid_size_inputs and len(tokenized_sentences):
                 # fairseq's own refusal names a command-line option (--skip-invalid-size-inputs-valid-test)
-                check_learned_positions(max(len(t) for t in tokenized_sentences), limit,
-                                        shorter="a shorter text (or, among a list of texts, "
-                                                "skip_invalid_size_inputs=True to leave it out of the results)",
-                                        set_by="--max-target-positions / --tokens-per-sample")
+                longest = max(len(t) for t in tokenized_sentences)
+                if longest > limit:
+                    raise ValueError(f"a sequence of {longest} tokens exceeds this model's {limit} {bound}: use a "
+                                     "shorter text (or, among a list of texts, skip_invalid_size_inputs=True to leave "
+                                     f"it out of the results), or {beyond}")
             return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
                                     prefix_allowed_tokens_fn, **kwargs)
         per_prompt = kwargs.pop("max_len_a", self.cfg.generation.max_len_a)
@@ -137,16 +138,13 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
                 if skip_invalid_size_inputs:
                     continue
                 raise ValueError(
-                    f"a prompt of {prompt} tokens leaves no room to continue in this model's {limit} learned "
-                    f"positions (--lion-positions learned, LION-LIT's default; the generator keeps the last for "
-                    f"</s>): use a prompt of at most {room - 1} tokens (or, among a list of prompts, "
-                    "skip_invalid_size_inputs=True to leave it out of the results), or train with --lion-positions "
-                    "none, or LION-D / LION-S, which have no length limit")
+                    f"a prompt of {prompt} tokens leaves no room to continue in this model's {limit} {bound} (the "
+                    f"generator keeps the last for </s>): use a prompt of at most {room - 1} tokens (or, among a list "
+                    f"of prompts, skip_invalid_size_inputs=True to leave it out of the results), or {beyond}")
             wanted, least = int(per_prompt * prompt + new), min_new
             if prompt + wanted > room:
                 warnings.warn(f"a prompt of {prompt} tokens continues by at most {room - prompt} tokens, not "
-                              f"{wanted}: the model's {limit} learned positions (--lion-positions learned, "
-                              "LION-LIT's default) bound prompt and continuation together")
+                              f"{wanted}: the model's {limit} {bound} bound prompt and continuation together")
                 least = min(least, room - prompt)
             hypos = super().generate([tokenized_sentences[i] for i in ids], beam, verbose, skip_invalid_size_inputs,
                                      inference_step_args, prefix_allowed_tokens_fn, max_len_a=0,

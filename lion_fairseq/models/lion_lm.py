@@ -100,8 +100,19 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             nn.init.normal_(self.embed_positions.weight, mean=0, std=dim ** -0.5)
             nn.init.constant_(self.embed_positions.weight[self.padding_idx], 0)
         else:
-            self.max_target_positions = UNBOUNDED_POSITIONS
+            # no length limit, unless --max-target-positions sets one, as it does for transformer_lm (fairseq then
+            # skips longer samples and generation stops there)
+            given = getattr(cfg, "max_target_positions", None)
+            self.max_target_positions = int(given) if given else UNBOUNDED_POSITIONS
             self.embed_positions = None
+        # what bounds the length, and how to go further, for the messages that meet the bound
+        self.length_bound, self.beyond = (
+            ("learned positions (--lion-positions learned, LION-LIT's default)",
+             "train with --lion-positions none, or LION-D / LION-S, which have no length limit")
+            if self.embed_positions is not None else
+            ("positions of --max-target-positions (it was trained with)",
+             "load it with a larger max_target_positions (--model-overrides, or the hub's keyword): it has no "
+             "positions to run out of"))
         # a checkpoint saved before the option has none
         self.layernorm_embedding = LayerNorm(dim) if getattr(cfg, "layernorm_embedding", False) else None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
@@ -166,14 +177,14 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             n_tokens = seen + (~pad).sum(1)
             self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": n_tokens})
             # the prefix's length bounds every row's count: only the last steps read the count (a host sync)
-            if self.embed_positions is not None and not self.warned_at_limit \
+            if self.max_target_positions < UNBOUNDED_POSITIONS and not self.warned_at_limit \
                     and prev_output_tokens.size(1) >= self.max_target_positions - 1 \
                     and int(n_tokens.max()) >= self.max_target_positions - 1:
                 # fairseq's generator ends every sequence one token short of the model's positions, silently
                 self.warned_at_limit = True
-                logger.warning(f"decoding reached the model's {self.max_target_positions} learned positions "
-                               "(--lion-positions learned, LION-LIT's default): fairseq's generator ends each "
-                               "sequence there, whatever --max-len-b asks; LION-D and LION-S have no such limit")
+                logger.warning(f"decoding reached the model's {self.max_target_positions} {self.length_bound}: "
+                               f"fairseq's generator ends each sequence there, whatever --max-len-b asks; to go "
+                               f"further, {self.beyond}")
         # SequenceGenerator reads "attn"; LION has no attention matrix to show
         return x, {"attn": [None], "inner_states": inner_states}
 
