@@ -504,7 +504,7 @@ def test_max_target_positions_bounds_lion_s_as_it_does_transformer_lm(trained, t
     ckpt, _ = trained
     hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), max_target_positions=12)
     with pytest.raises(ValueError, match=r"a prompt of 20 tokens leaves no room to continue in this model's 12 "
-                                         r"positions of --max-target-positions.*a larger max_target_positions"):
+                                         r"positions \(its --max-target-positions\).*a larger max_target_positions"):
         hub.sample(" ".join(["the"] * 20), max_len_b=3)
 
 

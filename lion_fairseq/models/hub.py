@@ -16,7 +16,6 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from fairseq.hub_utils import GeneratorHubInterface
 
-
 logger = logging.getLogger(__name__)
 
 SPM = "sentencepiece.bpe.model"

@@ -110,7 +110,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             ("learned positions (--lion-positions learned, LION-LIT's default)",
              "train with --lion-positions none, or LION-D / LION-S, which have no length limit")
             if self.embed_positions is not None else
-            ("positions of --max-target-positions (it was trained with)",
+            ("positions (its --max-target-positions)",
              "load it with a larger max_target_positions (--model-overrides, or the hub's keyword): it has no "
              "positions to run out of"))
         # a checkpoint saved before the option has none
