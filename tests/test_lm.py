@@ -468,7 +468,8 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*learned positions")
         assert torch.isfinite(hub.score(" ".join(words[:63]))["positional_scores"]).all()
-    with pytest.raises(ValueError, match=r"a sequence of 65 tokens exceeds this model's 64 learned positions.*a shorter text"):
+    with pytest.raises(ValueError, match=r"a sequence of 65 tokens exceeds this model's 64 learned positions.*"
+                                         r"a shorter text"):
         hub.score(" ".join(words[:64]))
     with pytest.warns(UserWarning, match=r"a prompt of 62 tokens continues by at most 1 tokens, not 5"):
         assert len(hub.sample(" ".join(words[:62]), max_len_b=5, min_len=3).split()) == 63
