@@ -111,7 +111,7 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
             return self.generate(tokenized_sentences.unsqueeze(0), beam, verbose, skip_invalid_size_inputs,
                                  inference_step_args, prefix_allowed_tokens_fn, **kwargs)[0]
         # bounded by learned positions, or by --max-target-positions: say which
-        limit, bound, beyond = min((m.max_positions(), m.decoder.length_bound, m.decoder.beyond) for m in self.models)
+        limit, (bound, beyond) = min((m.max_positions(), m.decoder.length_bound) for m in self.models)
         if kwargs.get("score_reference"):  # score(): nothing follows the text, which fits if its tokens do
             if not skip_invalid_size_inputs and len(tokenized_sentences):
                 # fairseq's own refusal names a command-line option (--skip-invalid-size-inputs-valid-test)

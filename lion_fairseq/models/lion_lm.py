@@ -105,14 +105,6 @@ class LionLMDecoder(FairseqIncrementalDecoder):
             given = getattr(cfg, "max_target_positions", None)
             self.max_target_positions = int(given) if given else UNBOUNDED_POSITIONS
             self.embed_positions = None
-        # what bounds the length, and how to go further, for the messages that meet the bound
-        self.length_bound, self.beyond = (
-            ("learned positions (--lion-positions learned, LION-LIT's default)",
-             "train with --lion-positions none, or LION-D / LION-S, which have no length limit")
-            if self.embed_positions is not None else
-            ("positions (its --max-target-positions)",
-             "load it with a larger max_target_positions (--model-overrides, or the hub's keyword): it has no "
-             "positions to run out of"))
         # a checkpoint saved before the option has none
         self.layernorm_embedding = LayerNorm(dim) if getattr(cfg, "layernorm_embedding", False) else None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
@@ -182,11 +174,22 @@ class LionLMDecoder(FairseqIncrementalDecoder):
                     and int(n_tokens.max()) >= self.max_target_positions - 1:
                 # fairseq's generator ends every sequence one token short of the model's positions, silently
                 self.warned_at_limit = True
-                logger.warning(f"decoding reached the model's {self.max_target_positions} {self.length_bound}: "
-                               f"fairseq's generator ends each sequence there, whatever --max-len-b asks; to go "
-                               f"further, {self.beyond}")
+                bound, beyond = self.length_bound
+                logger.warning(f"decoding reached the model's {self.max_target_positions} {bound}: fairseq's "
+                               f"generator ends each sequence there, whatever --max-len-b asks; to go further, {beyond}")
         # SequenceGenerator reads "attn"; LION has no attention matrix to show
         return x, {"attn": [None], "inner_states": inner_states}
+
+    @property
+    def length_bound(self) -> Tuple[str, str]:
+        """What bounds the length (``max_target_positions``), and how to go further: for the messages that
+        meet the bound."""
+        if self.embed_positions is not None:
+            return ("learned positions (--lion-positions learned, LION-LIT's default)",
+                    "train with --lion-positions none, or LION-D / LION-S, which have no length limit")
+        return ("positions (its --max-target-positions)",
+                "load it with a larger max_target_positions (--model-overrides, or the hub's keyword): it has no "
+                "positions to run out of")
 
     def _positions(self, pad: Tensor, seen: Tensor) -> Tensor:
         """Position ids ``(B, T)``: ``padding_idx + p`` for the p-th real token of each sentence
