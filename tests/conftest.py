@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -105,11 +106,13 @@ def labelled_data(root: Path, dict_txt: Path) -> Path:
     return out
 
 
-def training_args(data: Path, task: str, *args: str) -> argparse.Namespace:
-    """fairseq-train's parsed command line for ``data`` and ``args``, with this plugin's ``--user-dir``."""
+def training_args(data: Path, task: str, *args: str, parser: Optional[argparse.ArgumentParser] = None
+                  ) -> argparse.Namespace:
+    """fairseq-train's parsed command line for ``data`` and ``args``, with this plugin's ``--user-dir``.
+    ``parser``: fairseq's training parser to parse with (it gains the task's and the model's options)."""
     from fairseq import options
 
-    parser = options.get_training_parser()
+    parser = parser or options.get_training_parser()
     return options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--task", task, *args])
 
 

@@ -313,8 +313,8 @@ def test_every_option_of_the_softmax_model_is_taken_or_refused(text_data_bin, ta
 
     softmax = argparse.ArgumentParser()
     ARCH_MODEL_REGISTRY[softmax_arch].add_args(softmax)
-    parser = options.get_training_parser()  # parse_args_and_arch adds the task's and the model's options to it
-    options.parse_args_and_arch(parser, [str(text_data_bin), "--user-dir", USER_DIR, "--task", task, "--arch", arch])
+    parser = options.get_training_parser()
+    training_args(text_data_bin, task, "--arch", arch, parser=parser)
     taken = parser._option_string_actions
     assert sorted(o for o in softmax._option_string_actions if o not in taken) == []
 
@@ -409,6 +409,7 @@ def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path
 
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     from lion_fairseq.clear_errors import first_difference
+
     def weights(*args):
         return build_model(text_data_bin, "masked_lm", "--tokens-per-sample", "64", *args)[1].state_dict()
 

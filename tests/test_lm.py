@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models in this process, as --user-dir does in the CLIs)
-from conftest import USER_DIR, build_model
+from conftest import USER_DIR, build_model, preprocess
 
 TRAIN = ["--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-per-sample", "64",
          "--batch-size", "16", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt",
@@ -513,8 +513,6 @@ def test_another_data_folder_is_named_as_the_misfit(trained, text_data_bin, tmp_
     """Scoring a checkpoint with a data folder of another dictionary: the model's sizes are right and the
     embeddings' rows are not; the message says so and asks for the data folder (it advised the arch and
     size options, and dropping --restore-file)."""
-    from conftest import preprocess
-
     ckpt, _ = trained
     text = Path(text_data_bin).parent
     preprocess("--only-source", "--trainpref", str(text / "train.txt"), "--testpref", str(text / "test.txt"),

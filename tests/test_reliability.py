@@ -128,10 +128,11 @@ def runs(text_data_bin, tmp_path_factory):
         extra = {"straight": ["--update-freq", "2"], "killed": ["--update-freq", "2"]}
         for r in (0, 1):
             extra[f"ddp{r}"] = rank_args(t, r, port)
-        commands = {"spawn": two_devices}
+        commands = {}
         if t == "lm":
             extra["spawn"] = [*ranks, "--user-dir", "lion_fairseq"]
             extra["torchrun"] = [*ranks, "--user-dir", entry_point]
+            commands["spawn"] = two_devices
             commands["torchrun"] = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *two_devices[1:]]
         for kind, args in extra.items():
