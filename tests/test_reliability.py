@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models and installs the clear errors, as --user-dir does)
-from conftest import ROOT, USER_DIR, build_model as build
+from conftest import ROOT, USER_DIR, build_model as build, training_args
 from lion_fairseq import check_checkpoint, clear_errors
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -378,6 +378,26 @@ def test_hydra_model_name_of_an_arch_keeps_the_dataclass_defaults(text_data_bin)
         layer = model.encoder.sentence_encoder.layers[0]
         assert len(model.encoder.sentence_encoder.layers) == layers
         assert layer.self_attn.variant == variant
+
+
+
+@pytest.mark.parametrize("name, task, arch", [("lion_lm", "language_modeling", "lion_s_lm"),
+                                              ("lion_roberta", "masked_lm", "lion_s"),
+                                              ("lion_transformer", "translation", "lion_s_transformer"),
+                                              ("lion_lra", "lra_retrieval", "lion_s_lra_retrieval")])
+def test_model_name_as_arch_on_the_command_line_is_its_lion_s_arch(text_data_bin, name, task, arch):
+    # fairseq lists each model's name among the --arch choices; its arch did nothing, and fairseq-train
+    # stopped in hydra's "field 'model.lion_normalize' is not Optional"
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    def model_cfg(a: str) -> dict:
+        cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(training_args(text_data_bin, task, "--arch", a)).model)
+        cfg.pop("_name")
+        return cfg
+
+    cfg = model_cfg(name)
+    assert cfg == model_cfg(arch) and cfg["lion_variant"] == "s" and cfg["lion_normalize"] is True
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------

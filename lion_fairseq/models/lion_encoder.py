@@ -29,8 +29,8 @@ from ..modules.encoder_layer import LionEncoderLayer
 from .convert import ROBERTA, check_ties, is_softmax_roberta, softmax_to_lion
 from .hub import bpe_from_data, load_pretrained
 from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boolean_optional, checkpointed,
-                           fix_lion_flags, lion_attention_kwargs, lion_positions, refuse_softmax_only_options,
-                           set_unset, set_unset_from)
+                           fix_lion_flags, lion_attention_kwargs, lion_positions, model_name_arch,
+                           refuse_softmax_only_options, set_unset, set_unset_from)
 
 
 @dataclass
@@ -342,11 +342,12 @@ VARIANT_OF_ARCH = {"lion_lit": "lit", "lion_d": "d", "lion_retnet": "d", "lion_s
 
 def lion_roberta_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes and variant of
-    ``lion_s``, everything else the config's default."""
+    ``lion_s``, everything else the config's default: ``--arch lion_roberta``."""
     set_unset(args, dict(SIZES[""], lion_variant="s"))
     set_unset_from(args, LionEncoderConfig)
 
 
+model_name_arch("lion_roberta", lion_roberta_base)
 for _prefix, _variant in VARIANT_OF_ARCH.items():
     for _suffix, _size in SIZES.items():
         if _prefix == "lion_retnet" and _suffix:

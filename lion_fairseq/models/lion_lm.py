@@ -32,7 +32,8 @@ from ..modules.lion_attention import IncrementalState
 from .convert import LANGUAGE_MODEL, check_ties, is_softmax_lm, softmax_to_lion
 from .hub import ContinuationHubInterface, DataBpeHub
 from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, boolean_optional, checkpointed, fix_lion_flags,
-                           lion_attention_kwargs, lion_positions, refuse_softmax_only_options, set_unset)
+                           lion_attention_kwargs, lion_positions, model_name_arch, refuse_softmax_only_options,
+                           set_unset)
 
 logger = logging.getLogger(__name__)
 
@@ -261,8 +262,8 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
 
 
 def lion_lm_base(args: Any) -> None:
-    """Defaults of every field (transformer_lm size, LION-S); the named archs set theirs first. (``--arch
-    lion_lm`` is fairseq's own no-op arch of the dataclass, whose defaults are these.)"""
+    """Defaults of every field (transformer_lm size, LION-S): ``--arch lion_lm``; the named archs set
+    theirs first."""
     set_unset(args, dict(
         lion_variant="s",
         lion_form="chunk",
@@ -314,6 +315,7 @@ def _arch(name: str, variant: str, tiny: bool, plus: bool = False) -> None:
     register_model_architecture("lion_lm", name)(arch)
 
 
+model_name_arch("lion_lm", lion_lm_base)
 for _variant, _names in {"lit": ["lion_lit_lm"], "d": ["lion_d_lm", "lion_retnet_lm"], "s": ["lion_s_lm"]}.items():
     for _name in _names:
         _arch(_name, _variant, tiny=False)

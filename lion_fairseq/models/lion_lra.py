@@ -33,7 +33,8 @@ from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
-                           refuse_softmax_only_options, set_unset, set_unset_from)
+                           model_name_arch, refuse_softmax_only_options, set_unset,
+                           set_unset_from)
 
 ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 
@@ -171,11 +172,12 @@ DEFAULT_SIZE = dict(SIZES["retrieval"], lion_variant="s", dropout=0.1)
 
 def lion_lra_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes, variant and dropout of
-    ``DEFAULT_SIZE``, everything else the config's default."""
+    ``DEFAULT_SIZE``, everything else the config's default: ``--arch lion_lra``."""
     set_unset(args, DEFAULT_SIZE)
     set_unset_from(args, LionLRAConfig)
 
 
+model_name_arch("lion_lra", lion_lra_base)
 for _variant in ("lit", "d", "s"):
     for _task, _size in SIZES.items():
         register_model_architecture("lion_lra", f"lion_{_variant}_lra_{_task}")(

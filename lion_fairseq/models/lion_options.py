@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.models import ARCH_CONFIG_REGISTRY
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -154,6 +155,14 @@ def arch_filling(variant: str, size: Dict[str, Any], base: Callable[[Any], None]
         set_unset(args, dict(size, lion_variant=variant))
         base(args)
     return arch
+
+
+def model_name_arch(model_name: str, base: Callable[[Any], None]) -> None:
+    """Make ``--arch <model name>`` fill the options as ``base`` does. fairseq registers the name of every
+    model with a dataclass as an arch of its own, whose function does nothing: options whose
+    command-line default is None (the arch decides) stayed None, and fairseq-train stopped in hydra's
+    "field 'model.lion_normalize' is not Optional". fairseq refuses a second registration of the name."""
+    ARCH_CONFIG_REGISTRY[model_name] = base
 
 
 def set_unset_from(args: Any, config_cls: type, exclude: Tuple[str, ...] = ()) -> None:

@@ -34,7 +34,8 @@ from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, check_ties, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
-                           refuse_softmax_only_options, set_unset, set_unset_from)
+                           model_name_arch, refuse_softmax_only_options, set_unset,
+                           set_unset_from)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
@@ -200,13 +201,14 @@ SIZES = {
 
 def lion_transformer_base(args: Any) -> None:
     """Sizes and variant the command line (or the arch) left unset: transformer base and LION-S (``--arch
-    lion_transformer`` is fairseq's own arch of the dataclass, whose other defaults are its fields')."""
+    lion_transformer``), the other options at their fields' defaults."""
     set_unset(args, dict(BASE, lion_variant="s", lion_normalize=True))
     # the rest at the dataclass's defaults: a Namespace from fairseq's parser (the legacy path) lacks every
     # option not typed (the task gives the positions, which the dataclass only refers to)
     set_unset_from(args, LionTransformerConfig, exclude=("max_source_positions", "max_target_positions"))
 
 
+model_name_arch("lion_transformer", lion_transformer_base)
 for _variant in ("lit", "d", "s"):
     for _suffix, _size in SIZES.items():
         register_model_architecture("lion_transformer", f"lion_{_variant}_transformer{_suffix}")(
