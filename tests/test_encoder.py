@@ -319,6 +319,24 @@ def test_every_option_of_the_softmax_model_is_taken_or_refused(text_data_bin, ta
     assert sorted(o for o in softmax._option_string_actions if o not in taken) == []
 
 
+
+@pytest.mark.parametrize("arch", ["lion_lit_tiny", "lion_s_tiny"])
+def test_sentence_prediction_without_max_positions_takes_the_tasks_as_roberta_does(labelled_data_bin, arch):
+    # the arch once set the shared --max-positions to None, and fairseq-train stopped in hydra's
+    # "task.max_positions is not Optional"
+    tiny = ("--encoder-layers", "1", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+            "--encoder-attention-heads", "2")
+    built = {a: build_model(labelled_data_bin, "sentence_prediction", "--criterion", "sentence_prediction",
+                            "--arch", a, "--num-classes", "2", *(tiny if a == "roberta" else ()))
+             for a in ("roberta", arch)}
+    (task, model), (_, roberta) = built[arch], built["roberta"]
+    assert task.max_positions() == roberta.max_positions() == 512
+    learned = model.encoder.sentence_encoder.embed_positions
+    assert (learned is not None) == (arch == "lion_lit_tiny")
+    if learned is not None:
+        assert learned.max_positions == 512
+
+
 def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):
     """Fine-tuning LION-LIT with --max-positions 512 (the README's value when issue 28 was filed) from an
     MLM trained on 64-token samples: the error names the learned positions and what to pass, and is the

@@ -344,7 +344,9 @@ def lion_roberta_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes and variant of
     ``lion_s``, everything else the config's default: ``--arch lion_roberta``."""
     set_unset(args, dict(SIZES[""], lion_variant="s"))
-    set_unset_from(args, LionEncoderConfig)
+    # --max-positions is also sentence_prediction's option (default 512): a None here would replace that
+    # default, and fairseq stops at its int field; left out, the model takes the task's at build time
+    set_unset_from(args, LionEncoderConfig, exclude=("max_positions",))
 
 
 model_name_arch("lion_roberta", lion_roberta_base)
