@@ -217,6 +217,7 @@ def test_translation_prepare_train_generate(tmp_path):
     assert len(records(out, "train_inner")) == 5
     cfg = model_cfg(tmp_path / "ckpt" / "checkpoint_last.pt")["model"]
     assert cfg["_name"] == "lion_s_transformer_tiny" and cfg["lion_cross_attention"] == "linear"
+    assert cfg["dropout"] == 0.3  # fairseq's IWSLT recipe's
     out = run(["bash", RECIPES / "translation/generate.sh", tmp_path / "bin", tmp_path / "ckpt" / "checkpoint_last.pt"],
               BEAM="2", LION_FORM="recurrent")
     assert len([line for line in out.splitlines() if line.startswith("H-")]) == 12 and "BLEU4 = " in out

@@ -4,7 +4,7 @@
 # Environment (defaults in brackets):
 #   ARCH [lion_s_transformer_iwslt_de_en]  lion_{lit,d,s}_transformer{,_iwslt_de_en,_tiny}
 #   CROSS_ATTENTION [softmax]  softmax | linear (O(1) per decoding step whatever the source length)
-#   LR [5e-4]   MAX_UPDATE [60000]   MAX_TOKENS [4096 per GPU]
+#   LR [5e-4]   DROPOUT [0.3]   MAX_UPDATE [60000]   MAX_TOKENS [4096 per GPU]
 #   WARMUP_UPDATES [4000, or the same share of a shorter MAX_UPDATE]
 #   LION_FORM [chunk]   LION_CHUNK_SIZE [64]   PRECISION [fp16 on GPU, fp32 on CPU; amp]   SEED [1]
 set -euo pipefail
@@ -22,7 +22,7 @@ run fairseq-train "$DATA" --user-dir "$USER_DIR" \
   --task translation --arch "${ARCH:-lion_s_transformer_iwslt_de_en}" --share-decoder-input-output-embed \
   --lion-cross-attention "${CROSS_ATTENTION:-softmax}" \
   --lion-form "${LION_FORM:-chunk}" --lion-chunk-size "${LION_CHUNK_SIZE:-64}" \
-  --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.0001 \
+  --dropout "${DROPOUT:-0.3}" --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.0001 \
   --lr "${LR:-5e-4}" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP_UPDATES" \
   --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
   --max-tokens "${MAX_TOKENS:-4096}" --required-batch-size-multiple 1 --max-update "$MAX_UPDATE" \
