@@ -143,7 +143,7 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
 # runs another model on them (softmax cross-attention's weights read as linear, say)
 FIXED_BY_TRAINING = ("lion_variant", "lion_feature_map", "lion_normalize", "lion_norm_after", "lion_positions",
                      "lion_gate_temperature", "lion_output_gate", "lion_short_conv", "lion_cross_attention",
-                     "lion_order")
+                     "lion_order", "activation_fn", "no_scale_embedding")
 
 
 def _same_option(a: Any, b: Any) -> bool:
@@ -643,8 +643,6 @@ def trained_as_options(model_cfg: Any) -> Optional[str]:
     target = TARGETS.get(ARCH_MODEL_NAME_REGISTRY.get(arch))
     if target is not None:  # pre- or post-norm layers, an embedding LayerNorm: what the weights are laid out for
         words += teacher_flags({key: get(key) for key in target.switches}, target, [])
-    if get("activation_fn") is not None:
-        words.append(f"--activation-fn {get('activation_fn')}")
     for key in FIXED_BY_TRAINING:
         if get(key) is None and key not in ("lion_feature_map", "lion_positions"):
             continue  # the arch decides, as it did in training
