@@ -37,6 +37,7 @@ import logging
 import os
 import pickle
 import re
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -652,6 +653,22 @@ def trained_as_options(model_cfg: Any) -> Optional[str]:
     return " ".join(words)
 
 
+def launched_by_hydra() -> bool:
+    """Whether this process is fairseq-hydra-train (its console script, or ``python -m fairseq_cli.hydra_train``)."""
+    return os.path.basename(sys.argv[0]) in ("fairseq-hydra-train", "hydra_train.py")
+
+
+def in_launchers_terms(message: str) -> str:
+    """``message``, which names fairseq-train's options, with how fairseq-hydra-train spells them when that
+    launched this process."""
+    if not launched_by_hydra():
+        return message
+    return (f"{message.rstrip('.')}. Under fairseq-hydra-train an option --some-option V named here is the key "
+            "some_option=V of its group (model., task., checkpoint. ...: fairseq-hydra-train ... --cfg job lists "
+            "them), a flag is the key =true (--reset-optimizer: checkpoint.reset_optimizer=true), and a key the "
+            "config file lacks takes a leading + (+model.lion_short_conv=4).")
+
+
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
@@ -663,7 +680,7 @@ def _wrap_trainer_load_checkpoint(original):
     def load_checkpoint(self, filename, *args, **kwargs):
         missing = missing_restore_file_message(filename, self.cfg.checkpoint)
         if missing:
-            raise FileNotFoundError(missing)
+            raise FileNotFoundError(in_launchers_terms(missing))
         try:
             extra_state = original(self, filename, *args, **kwargs)
         except Exception as e:
@@ -672,14 +689,15 @@ def _wrap_trainer_load_checkpoint(original):
                     "do not fit the model being built" in str(cause) or isinstance(cause, ValueError)):
                 other = other_kind_message(filename, self.cfg.model)
                 trained = trained_as_options(_TRAINED_AS.get(str(filename))) if other is None else None
-                raise CheckpointError(f"cannot start from {filename}: {other or cause}"
-                                      + (f" It was trained as {trained}." if trained else "")) from e
+                raise CheckpointError(in_launchers_terms(f"cannot start from {filename}: {other or cause}"
+                                                         + (f" It was trained as {trained}." if trained else ""))
+                                      ) from e
             if isinstance(e, ValueError) and str(e).startswith("loaded state dict"):  # torch's optimizer
-                raise CheckpointError(
+                raise CheckpointError(in_launchers_terms(
                     f"cannot resume the optimizer of {filename}: it holds the state of another model's "
                     "parameters (a softmax or converted checkpoint, or other sizes). To start a new run from its "
                     "weights pass --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader, or "
-                    "use --finetune-from-model") from e
+                    "use --finetune-from-model")) from e
             raise
         changes = changed_since_training(_TRAINED_AS.pop(str(filename), None), self.cfg.model)
         if self.data_parallel_world_size > 1:  # only rank 0 may have read the file: every rank stops alike
@@ -690,12 +708,12 @@ def _wrap_trainer_load_checkpoint(original):
         if changes:
             reset_optimizer = args[0] if args else kwargs.get("reset_optimizer", False)
             if not reset_optimizer:  # the run goes on: nothing has trained yet, and the checkpoint is intact
-                raise CheckpointError(
+                raise CheckpointError(in_launchers_terms(
                     f"cannot resume {filename}: it was trained as another model than this command builds "
                     f"({'; '.join(changes)}). No tensor changes shape, so the run would go on training another "
                     "model on its weights without a word. Pass the options the run was started with; to start the "
                     "changed model from these weights, pass --reset-optimizer --reset-lr-scheduler --reset-meters "
-                    "--reset-dataloader (or --finetune-from-model) and a new --save-dir")
+                    "--reset-dataloader (or --finetune-from-model) and a new --save-dir"))
             logger.warning(f"lion: starting from {filename}, trained as another model than this one: "
                            f"{'; '.join(changes)}")
         return extra_state

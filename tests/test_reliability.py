@@ -352,6 +352,14 @@ checkpoint: {{save_dir: {tmp_path / 'ckpt'}, no_epoch_checkpoints: true}}
     # trained as a bf16 model with float32 master weights (fairseq's FP16Optimizer, which also serves bf16);
     # fairseq saves the weights in float32 (utils.move_to_cpu casts half types)
     assert state["optimizer_history"][-1]["optimizer_name"] == "FP16Optimizer"
+    # resumed as another model: refused, naming the change and how fairseq-hydra-train spells the options
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.hydra_train", "--config-dir", str(tmp_path),
+                           "--config-name", "lm_bf16", f"hydra.run.dir={tmp_path / 'hydra'}",
+                           "optimization.max_update=3", "+model.lion_feature_map=elu"],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "cannot resume" in proc.stderr, proc.stderr[-3000:]
+    assert "--lion-feature-map silu_norm -> --lion-feature-map elu" in proc.stderr
+    assert "(--reset-optimizer: checkpoint.reset_optimizer=true)" in proc.stderr
 
 
 def test_hydra_model_name_of_an_arch_keeps_the_dataclass_defaults(text_data_bin):
