@@ -665,8 +665,8 @@ def in_launchers_terms(message: str) -> str:
         return message
     return (f"{message.rstrip('.')}. Under fairseq-hydra-train an option --some-option V named here is the key "
             "some_option=V of its group (model., task., checkpoint. ...: fairseq-hydra-train ... --cfg job lists "
-            "them), a flag is the key =true (--reset-optimizer: checkpoint.reset_optimizer=true), and a key the "
-            "config file lacks takes a leading + (+model.lion_short_conv=4).")
+            "them), a flag is its key set to true (--reset-optimizer: checkpoint.reset_optimizer=true), and a key "
+            "the config file lacks takes a leading + (+model.lion_short_conv=4).")
 
 
 def _wrap_trainer_load_checkpoint(original):

@@ -354,7 +354,8 @@ def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):
     # and, read from the checkpoint, the arch and sizes to pass in one go (not one option per failed run)
     assert "It was trained as --arch lion_lit_tiny --encoder-layers 2 --encoder-embed-dim 128 " \
            "--encoder-ffn-embed-dim 512 --encoder-attention-heads 2 " in last, last
-    assert last.endswith(" --lion-feature-map elu --lion-normalize --lion-positions learned --activation-fn gelu."), last
+    assert last.endswith(" --lion-feature-map elu --lion-normalize --lion-positions learned --activation-fn gelu."), \
+        last
 
 
 @pytest.mark.parametrize("pretrained", [

@@ -400,7 +400,8 @@ def test_model_name_as_arch_on_the_command_line_is_its_lion_s_arch(text_data_bin
     from omegaconf import OmegaConf
 
     def model_cfg(a: str) -> dict:
-        cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(training_args(text_data_bin, task, "--arch", a)).model)
+        args = training_args(text_data_bin, task, "--arch", a)
+        cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(args).model)
         cfg.pop("_name")
         return cfg
 

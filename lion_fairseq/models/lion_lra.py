@@ -33,8 +33,7 @@ from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
-                           model_name_arch, refuse_softmax_only_options, set_unset,
-                           set_unset_from)
+                           model_name_arch, refuse_softmax_only_options, set_unset, set_unset_from)
 
 ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
 

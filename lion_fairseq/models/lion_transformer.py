@@ -34,8 +34,7 @@ from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, check_ties, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
 from .lion_options import (LionOptions, arch_filling, checkpointed, fix_lion_flags, lion_attention_kwargs,
-                           model_name_arch, refuse_softmax_only_options, set_unset,
-                           set_unset_from)
+                           model_name_arch, refuse_softmax_only_options, set_unset, set_unset_from)
 
 CROSS_ATTENTION_CHOICES = ChoiceEnum(["softmax", "linear"])
 
