@@ -187,15 +187,27 @@ def option_text(key: str, value: Any) -> str:
     return f"{flag} {value}"
 
 
+# the head counts are not in the weights of LION-LIT or of a softmax model either (LION-D/S's gates show them)
+HEADS = ("encoder_attention_heads", "decoder_attention_heads")
+# what a softmax teacher's weights do not show and a LION model started from them must share (its norms are
+# in the weights: a LayerNorm more or less is refused when they load)
+TEACHER_STRUCTURE = ("activation_fn", *HEADS)
+
+
+def is_lion_config(model_cfg: Any) -> bool:
+    return getattr(model_cfg, "lion_variant", None) is not None
+
+
 def changed_since_training(trained: Any, building: Any) -> List[str]:
-    """The ``FIXED_BY_TRAINING`` options that the model config ``building`` gives otherwise than the
-    checkpoint's ``trained`` (both LION configs), as 'trained -> now'."""
+    """What the LION model config ``building`` gives otherwise than the checkpoint's ``trained``, as
+    'trained -> now': the ``FIXED_BY_TRAINING`` options and head counts of a LION checkpoint, the
+    ``TEACHER_STRUCTURE`` of a softmax one."""
     from .models.lion_options import built_value
 
-    if getattr(trained, "lion_variant", None) is None or getattr(building, "lion_variant", None) is None:
+    if trained is None or not is_lion_config(building):
         return []
     changes = []
-    for key in FIXED_BY_TRAINING:
+    for key in (*FIXED_BY_TRAINING, *HEADS) if is_lion_config(trained) else TEACHER_STRUCTURE:
         was, now = built_value(trained, key), built_value(building, key)
         if not _same_option(was, now):
             changes.append(f"{option_text(key, was)} -> {option_text(key, now)}")
@@ -699,12 +711,13 @@ def _wrap_trainer_load_checkpoint(original):
                     "weights pass --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader, or "
                     "use --finetune-from-model")) from e
             raise
-        changes = changed_since_training(_TRAINED_AS.pop(str(filename), None), self.cfg.model)
+        trained = _TRAINED_AS.pop(str(filename), None)
+        changes, teacher = changed_since_training(trained, self.cfg.model), not is_lion_config(trained)
         if self.data_parallel_world_size > 1:  # only rank 0 may have read the file: every rank stops alike
             from fairseq.distributed import utils as distributed_utils
 
-            changes = distributed_utils.broadcast_object(changes, src_rank=0, group=self.data_parallel_process_group,
-                                                         dist_device=self.device)
+            changes, teacher = distributed_utils.broadcast_object(
+                (changes, teacher), src_rank=0, group=self.data_parallel_process_group, dist_device=self.device)
         if changes:
             reset_optimizer = args[0] if args else kwargs.get("reset_optimizer", False)
             if not reset_optimizer:  # the run goes on: nothing has trained yet, and the checkpoint is intact
@@ -714,8 +727,13 @@ def _wrap_trainer_load_checkpoint(original):
                     "model on its weights without a word. Pass the options the run was started with; to start the "
                     "changed model from these weights, pass --reset-optimizer --reset-lr-scheduler --reset-meters "
                     "--reset-dataloader (or --finetune-from-model) and a new --save-dir"))
-            logger.warning(f"lion: starting from {filename}, trained as another model than this one: "
-                           f"{'; '.join(changes)}")
+            if teacher:
+                logger.warning(f"lion: starting from the softmax model {filename}, whose weights were trained with "
+                               f"another structure than this model's: {'; '.join(changes)}. Pass the teacher's to "
+                               "start from what it learned")
+            else:
+                logger.warning(f"lion: starting from {filename}, trained as another model than this one: "
+                               f"{'; '.join(changes)}")
         return extra_state
     load_checkpoint.__lion_wrapped__ = True
     return load_checkpoint

@@ -490,10 +490,14 @@ def test_lm_finetune_from_model_and_restore_file_start_from_transformer_lm(trans
                        str(transformer_lm))
     log = proc.stdout + proc.stderr
     assert "gate_proj.bias" in log and "post-norm layers without a final LayerNorm, activation relu" in log
-    assert "\"num_updates\": \"2\"" in log
-    proc = fairseq_cli("train", *common, "--save-dir", str(tmp_path / "b"), "--restore-file", str(transformer_lm),
-                       "--reset-optimizer", "--reset-dataloader", "--reset-meters")
+    assert "\"num_updates\": \"2\"" in log and "another structure" not in log
+    # the activation and head count the weights do not show, left at the arch's: said (it started silently)
+    proc = fairseq_cli("train", *common, "--activation-fn", "gelu", "--decoder-attention-heads", "4", "--save-dir",
+                       str(tmp_path / "b"), "--restore-file", str(transformer_lm), "--reset-optimizer",
+                       "--reset-dataloader", "--reset-meters")
     assert "gate_proj.bias" in proc.stdout + proc.stderr and "\"num_updates\": \"2\"" in proc.stdout
+    assert ("weights were trained with another structure than this model's: --activation-fn relu -> --activation-fn "
+            "gelu; --decoder-attention-heads 2 -> --decoder-attention-heads 4") in proc.stdout + proc.stderr
 
 
 def test_lm_convert_command_reads_the_structure_then_hub(transformer_lm, text_data_bin, tmp_path, capsys):

@@ -321,13 +321,14 @@ def test_resume_as_another_model_is_refused(lit_trained, text_data_bin, tmp_path
     before = (tmp_path / "checkpoint_last.pt").read_bytes()
     changed = [str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--max-update", "4", "--arch",
                "lion_lit_lm_tiny", "--lion-feature-map", "silu_norm", "--no-lion-normalize", "--activation-fn", "relu",
-               "--no-scale-embedding"]
+               "--no-scale-embedding", "--decoder-attention-heads", "4"]
     proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *changed, "--save-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "cannot resume" in last, proc.stderr[-3000:]
     assert ("--lion-feature-map elu -> --lion-feature-map silu_norm; --lion-normalize -> --no-lion-normalize; "
-            "--activation-fn gelu -> --activation-fn relu; no --no-scale-embedding -> --no-scale-embedding") in last
+            "--activation-fn gelu -> --activation-fn relu; no --no-scale-embedding -> --no-scale-embedding; "
+            "--decoder-attention-heads 2 -> --decoder-attention-heads 4") in last
     assert (tmp_path / "checkpoint_last.pt").read_bytes() == before
     resets = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader"]
     proc = fairseq_cli("train", *changed, *resets, "--save-dir", str(tmp_path / "new"), "--restore-file",
