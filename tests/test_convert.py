@@ -482,6 +482,19 @@ def test_lm_a_different_structure_is_refused_naming_the_option(transformer_lm, t
         model.load_state_dict(state, strict=True)
 
 
+def test_check_checkpoint_says_why_a_teacher_cannot_convert(transformer_lm, tmp_path):
+    """fairseq's transformer_lm with its default --decoder-input-dim 512 at another width: check_checkpoint
+    recommended the conversion that then refused it."""
+    from lion_fairseq.check_checkpoint import explain
+
+    assert "python -m lion_fairseq.convert" in explain(str(transformer_lm))
+    state = torch.load(transformer_lm, map_location="cpu", weights_only=False)
+    state["model"]["decoder.project_in_dim.weight"] = torch.zeros(64, 512)
+    torch.save(state, tmp_path / "projected.pt")
+    text = explain(str(tmp_path / "projected.pt"))
+    assert "LION cannot start from: the teacher's --decoder-input-dim" in text and "convert " not in text, text
+
+
 def test_lm_finetune_from_model_and_restore_file_start_from_transformer_lm(transformer_lm, text_data_bin, tmp_path):
     """The commands a user types; what the weights cannot show is logged for them to check."""
     common = [str(text_data_bin), "--user-dir", USER_DIR, *LM_TRAIN, "--arch", "lion_s_lm_tiny", *LM_SIZE,
