@@ -156,7 +156,11 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
         raise ValueError(f"--arch {arch} is not a LION arch that a softmax checkpoint converts into: pick one of "
                          f"{', '.join(ARCHS.values())}")
     target = TARGETS[kind]
-    _, teacher = trained_model(config)
+    trained_arch, teacher = trained_model(config)
+    if teacher in TARGETS:  # a LION checkpoint already: fairseq-train starts from it as it is
+        raise ValueError(f"the checkpoint is already a LION model ({teacher}, --arch {trained_arch}): nothing to "
+                         "convert. Start from it with fairseq-train --finetune-from-model (or --restore-file with "
+                         "the --reset-* options), or load it with the hub")
     if teacher is not None and teacher != target.teacher:
         starts = {t.teacher: name for name, t in TARGETS.items()}
         hint = (f"a {starts[teacher]} arch" if teacher in starts

@@ -191,7 +191,7 @@ def test_finetune_from_model_starts_lion_from_roberta(roberta, text_data_bin, tm
            f"{heads} heads, post-norm layers, activation gelu" in log
 
 
-def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_path):
+def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_path, capsys):
     out = tmp_path / "lion_d.pt"
     run = subprocess.run([sys.executable, "-m", "lion_fairseq.convert", str(roberta), str(out), "--arch", "lion_d_tiny"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -212,6 +212,11 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
                           "--arch", "lion_s_tiny", "--encoder-layers", "4"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "--encoder-layers" in bad.stderr and "Traceback" not in bad.stderr
+    # a converted file given again: nothing to convert, and what to do with it (it named a RoBERTa to pick)
+    from lion_fairseq import convert
+
+    assert convert.main([str(out), str(tmp_path / "again.pt"), "--arch", "lion_d_tiny"]) == 2
+    assert "already a LION model (lion_roberta, --arch lion_d_tiny): nothing to convert" in capsys.readouterr().err
 
 
 def test_convert_refuses_an_output_path_it_cannot_write_before_converting(roberta, capsys, tmp_path):
