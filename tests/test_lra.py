@@ -392,3 +392,11 @@ def test_errors_name_the_file_line_or_option(tmp_path, capsys):
     ARCH_CONFIG_REGISTRY["lion_s_lra_tiny"](args)
     with pytest.raises(ValueError, match="needs a 2-D task"):
         LionLRAModel.build_model(args, task)
+    # another model, or fairseq's default criterion (which trained on the class logits without a word)
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ValueError, match=r"--arch lion_s_tiny: the lra_\* tasks train a LION sequence classifier"):
+        task.build_model(OmegaConf.create({"_name": "lion_s_tiny"}))
+    with pytest.raises(ValueError, match=r"--criterion cross_entropy: the lra_\* tasks train and validate with "
+                                         r"--criterion lion_classification"):
+        task.build_criterion(OmegaConf.create({"_name": "cross_entropy"}))

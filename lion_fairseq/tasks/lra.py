@@ -115,6 +115,22 @@ class LRATask(FairseqTask):
         self.datasets[split] = SortDataset(dataset, sort_order=order)
         logger.info("LRA %s %s: %d examples", self.KIND, split, len(dataset))
 
+    def build_model(self, cfg: Any, from_checkpoint: bool = False):
+        from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+        arch = getattr(cfg, "_name", None) or getattr(cfg, "arch", None)
+        if ARCH_MODEL_NAME_REGISTRY.get(arch) != "lion_lra":  # another model's output failed in the criterion
+            raise ValueError(f"--arch {arch}: the lra_* tasks train a LION sequence classifier, an arch of lion_lra "
+                             f"(lion_{{lit,d,s}}_lra_{{{self.KIND},small,tiny}}, ...)")
+        return super().build_model(cfg, from_checkpoint)
+
+    def build_criterion(self, cfg: Any, from_checkpoint: bool = False):
+        name = getattr(cfg, "_name", None)
+        if name != "lion_classification":  # fairseq's default, cross_entropy, trained on without a word
+            raise ValueError(f"--criterion {name}: the lra_* tasks train and validate with --criterion "
+                             "lion_classification (cross-entropy over the classes, and their accuracy): pass that")
+        return super().build_criterion(cfg, from_checkpoint)
+
     def get_batch_iterator(self, dataset, *args, **kwargs):
         # fairseq's compiled batch_by_size here drops the last examples that do not fill a multiple of
         # --required-batch-size-multiple (8 by default): 2 of 10 test examples would go uncounted.
