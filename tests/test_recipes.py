@@ -353,6 +353,11 @@ def test_lra_recipe_takes_the_recipes_precision_and_refuses_another_kind_of_arch
     assert option(args, "--warmup-updates") == "1000" and option(args, "--max-update") == "5000"
     out = run_stub(stub_bin, argv, ok=False, ARCH="lion_s_transformer_tiny", PRECISION="fp32")
     assert "ARCH must be an LRA classifier (lion_{lit,d,s}_lra_{listops,small,tiny})" in out
+    # a shorter run warms up for the same share (it stayed in a warm-up of 1000); bad settings are named
+    args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE="500")
+    assert option(args, "--warmup-updates") == "100" and option(args, "--max-update") == "500"
+    assert "VARIANT must be lit, d or s; got 'retnet'" in run_stub(stub_bin, argv, ok=False, VARIANT="retnet")
+    assert "ORDER orders the pixels" in run_stub(stub_bin, argv, ok=False, ORDER="two_snake")
 
 
 def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, tmp_path):

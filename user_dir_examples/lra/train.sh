@@ -6,7 +6,8 @@
 # Settings come from the environment (defaults in brackets):
 #   VARIANT [s]  lit | d | s      ARCH [lion_${VARIANT}_lra_${TASK}]  (lion_*_lra_small fits a CPU)
 #   ORDER [two_snake] for image, pathfinder, pathx: row_major | row_snake | col_snake | two_snake
-#   BATCH_SIZE, LR, WARMUP_UPDATES, MAX_UPDATE [the task's LRA budget, below]   LION_FORM [chunk]
+#   BATCH_SIZE, LR, MAX_UPDATE [the task's LRA budget, below]   LION_FORM [chunk]
+#   WARMUP_UPDATES [the budget's, or the same share of a shorter MAX_UPDATE]
 #   PRECISION [fp16 on GPU, fp32 on CPU; amp]   VALIDATE_INTERVAL [500]   LOG_INTERVAL [50]   SEED [1]
 #
 # Budgets (Tay et al. 2021, the LRA release's configs). LRA's "0.05 * linear warmup * rsqrt decay" is
@@ -32,17 +33,23 @@ case "$TASK" in
   pathx)      set -- 64  1e-3    cosine       2500 500000 0.0 "$@" ;;
   *) die "TASK must be listops, text, retrieval, image, pathfinder or pathx; got '$TASK'" ;;
 esac
-BATCH_SIZE=${BATCH_SIZE:-$1}; LR=${LR:-$2}; SCHEDULER=$3; WARMUP_UPDATES=${WARMUP_UPDATES:-$4}
-MAX_UPDATE=${MAX_UPDATE:-$5}; WEIGHT_DECAY=$6; shift 6
+BATCH_SIZE=${BATCH_SIZE:-$1}; LR=${LR:-$2}; SCHEDULER=$3
+MAX_UPDATE=${MAX_UPDATE:-$5}; WEIGHT_DECAY=$6
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+# a shorter run warms up for the same share of it (a short run otherwise ended inside the warm-up)
+WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" "$4" "$5")}; shift 6
 VARIANT=${VARIANT:-s}
+case "$VARIANT" in lit|d|s) ;; *) die "VARIANT must be lit, d or s; got '$VARIANT'" ;; esac
 ARCH=${ARCH:-lion_${VARIANT}_lra_${TASK}}
 case "$ARCH" in
   lion_*lra*) ;;
   *) die "ARCH must be an LRA classifier (lion_{lit,d,s}_lra_{$TASK,small,tiny}), got '$ARCH'" ;;
 esac
 ORDER_OPTS=()
-case "$TASK" in image|pathfinder|pathx) ORDER_OPTS=(--lion-order "${ORDER:-two_snake}") ;; esac
+case "$TASK" in
+  image|pathfinder|pathx) ORDER_OPTS=(--lion-order "${ORDER:-two_snake}") ;;
+  *) [ -z "${ORDER:-}" ] || die "ORDER orders the pixels of image, pathfinder and pathx; $TASK is a sequence already" ;;
+esac
 
 run fairseq-train "$DATA" --user-dir "$USER_DIR" \
   --task "lra_$TASK" --arch "$ARCH" --criterion lion_classification --lion-form "${LION_FORM:-chunk}" "${ORDER_OPTS[@]}" \
