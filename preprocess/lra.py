@@ -3,6 +3,7 @@
     python -m preprocess.lra listops    --input-dir lra_release/listops-1000 --destdir data-bin/lra/listops
     python -m preprocess.lra text       --imdb-dir aclImdb --destdir data-bin/lra/text
     python -m preprocess.lra text       --train train.tsv --valid dev.tsv --test test.tsv --destdir ...
+    python -m preprocess.lra text       --input-dir DIR  (its train.tsv, dev.tsv, test.tsv) --destdir ...
     python -m preprocess.lra retrieval  --input-dir lra_release/tsv_data --destdir data-bin/lra/retrieval
     python -m preprocess.lra image      --input-dir cifar-10-batches-py --destdir data-bin/lra/image
     python -m preprocess.lra pathfinder --input-dir lra_release/pathfinder32 \\
@@ -303,10 +304,16 @@ def run(args: argparse.Namespace) -> Path:
         return convert("listops", splits, args.destdir, args.force, listops_dictionary(), 1, 10, max_length)
     if args.kind == "text":
         max_length = args.max_length or 4096
-        if args.imdb_dir is not None:
-            splits = {"train": lambda: read_imdb(args.imdb_dir / "train", max_length),
-                      "valid": lambda: read_imdb(args.imdb_dir / "test", max_length),
-                      "test": lambda: read_imdb(args.imdb_dir / "test", max_length)}
+        imdb = args.imdb_dir
+        if imdb is None and args.input_dir is not None and (args.input_dir / "train" / "pos").is_dir():
+            imdb = args.input_dir  # the aclImdb folder, given as --input-dir
+        if imdb is None and args.input_dir is None and not any([args.train, args.valid, args.test]):
+            raise PreprocessError("give --imdb-dir (the aclImdb folder), --input-dir (a folder of train.tsv, dev.tsv "
+                                  "and test.tsv), or --train, --valid and --test")
+        if imdb is not None:
+            splits = {"train": lambda: read_imdb(imdb / "train", max_length),
+                      "valid": lambda: read_imdb(imdb / "test", max_length),
+                      "test": lambda: read_imdb(imdb / "test", max_length)}
         else:
             files = _three(args, ("train.tsv", "dev.tsv", "test.tsv"))
             splits = {s: (lambda p=p: read_text_tsv(p, max_length)) for s, p in files.items()}

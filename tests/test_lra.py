@@ -236,6 +236,10 @@ def test_text_imdb_folder_to_training(tmp_path):
     from fairseq.data import data_utils
     ds = data_utils.load_indexed_dataset(str(data / "input0" / "train"), None)
     assert len(ds) == 12 and max(ds.sizes) <= 100
+    # the aclImdb folder given as --input-dir, as every other kind takes its release folder: the same binaries
+    again = _preprocess("text", "--input-dir", str(tmp_path / "aclImdb"), "--destdir", str(tmp_path / "again"),
+                        "--max-length", "100")
+    assert (again / "input0" / "train.bin").read_bytes() == (data / "input0" / "train.bin").read_bytes()
     out = _train(data, tmp_path / "ck", "lra_text", "--arch", "lion_d_lra_tiny")
     assert _valid_count(out) == 6
 
