@@ -220,6 +220,17 @@ def test_listops_generated_tsv_to_training(tmp_path):
     assert _valid_count(out) == 5  # every valid example counted (fairseq's batching would drop some)
     test = _records(out, "test")[-1]
     assert int(test["test_examples"]) == 3 and 0 <= float(test["test_accuracy"]) <= 100
+    # a hub class given the classifier says what does load it (it pointed to fairseq's generic hub, which
+    # cannot classify), and that way gives the class logits
+    from fairseq import checkpoint_utils
+
+    from lion_fairseq import LionRobertaModel
+
+    with pytest.raises(TypeError, match="holds a LionLRAModel .*an LRA classifier: fairseq-validate"):
+        LionRobertaModel.from_pretrained(str(tmp_path / "ck"), "checkpoint_best.pt", str(data))
+    (model,), _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "ck" / "checkpoint_best.pt")])
+    tokens = torch.randint(4, 10, (2, 30))
+    assert model.eval()(tokens, torch.tensor([30, 30])).shape == (2, 10)
 
 
 def test_text_imdb_folder_to_training(tmp_path):

@@ -206,8 +206,14 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
     if not isinstance(model, cls):
         found = type(model).__name__
         name = getattr(getattr(x["args"], "model", None), "_name", "?")
-        fix = (f"load it with {found}.from_pretrained" if type(model).__module__.startswith("lion_fairseq") else
-               "it is not a LION model: python -m lion_fairseq.convert makes one from a softmax checkpoint")
+        if found == "LionLRAModel":  # a classifier with no hub of its own (fairseq's generic one cannot classify)
+            fix = ("an LRA classifier: fairseq-validate DATA --task lra_<its task> --path CHECKPOINT gives its accuracy; "
+                   "in Python, fairseq's checkpoint_utils.load_model_ensemble([CHECKPOINT]) (after import lion_fairseq) "
+                   "gives the model, whose forward(src_tokens, src_lengths) returns the class logits")
+        elif type(model).__module__.startswith("lion_fairseq"):
+            fix = f"load it with {found}.from_pretrained"
+        else:
+            fix = "it is not a LION model: python -m lion_fairseq.convert makes one from a softmax checkpoint"
         raise TypeError(f"{cls.__name__}.from_pretrained: {os.path.join(model_name_or_path, checkpoint_file)} holds "
                         f"a {found} (model {name!r}), not a {cls.__name__}: {fix}")
     return x
