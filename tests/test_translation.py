@@ -261,8 +261,10 @@ def test_override_of_what_the_weights_were_trained_as_is_refused(mt_data, traine
         hub(lion_cross_attention="linear")
     with pytest.raises(ValueError, match=r"lion_positions='none' \(trained with the arch's default\)"):
         hub(lion_positions="none")  # fairseq's sinusoidal positions: 'none' would drop them
+    with pytest.raises(ValueError, match=r"activation_fn='gelu' \(trained with 'relu'\)"):
+        hub(activation_fn="gelu")
     assert hub(lion_form="recurrent", lion_cross_attention="softmax", lion_feature_map="silu_norm",
-               lion_gate_temperature=1, lion_output_gate=False)
+               lion_gate_temperature=1, lion_output_gate=False, activation_fn="relu")
 
 
 def test_layerdrop_and_pruning_as_in_transformer(mt_data, trained):
