@@ -3,7 +3,6 @@ arch is it, and what to pass to fairseq to use it (``--user-dir``). Exit status 
 Reads the file alone: no model is built."""
 import argparse
 import os
-import re
 import sys
 from typing import List, Optional
 
@@ -34,10 +33,12 @@ def explain(path: str) -> str:
                 f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "
                 "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
     student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
-    refused = unconvertible(state.get("model", {})) if student else None
-    if refused:
-        return where + f" A softmax model that LION cannot start from: {refused}."
     if student:
+        from .models.convert import unrepresentable
+
+        refused = unrepresentable(state.get("model", {}))
+        if refused:
+            return where + f" A softmax model that LION cannot start from: {refused}."
         others = ", ".join(student.replace("lion_s", v) for v in ("lion_lit", "lion_d"))
         return (where + f" A softmax model that LION starts from: python -m lion_fairseq.convert {path} <out.pt> "
                 f"--arch {student} (or {others}) takes its sizes from it and prints the fairseq-train command that "
@@ -47,14 +48,6 @@ def explain(path: str) -> str:
 
 # a softmax model's arch (by its start) -> the LION arch that starts from it (lion_fairseq.convert)
 STARTS_FROM = (("roberta", "lion_s"), ("transformer_lm", "lion_s_lm"), ("transformer", "lion_s_transformer"))
-
-
-def unconvertible(state_dict) -> Optional[str]:
-    """Why ``python -m lion_fairseq.convert`` refuses a softmax checkpoint of these weights whatever the arch
-    (fairseq's project_in_dim, adaptive input or softmax); None where nothing in them is refused so."""
-    from .models.convert import UNREPRESENTABLE
-
-    return next((why for pattern, why in UNREPRESENTABLE if any(re.search(pattern, k) for k in state_dict)), None)
 
 
 def _field(section, key: str):

@@ -36,7 +36,7 @@ options, which must be the teacher's (``python -m lion_fairseq.convert`` reads t
 import logging
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -157,6 +157,11 @@ def _split_in_proj(state_dict: Dict[str, Tensor]) -> None:
 
 def _first(patterns: Patterns, name: str) -> Optional[str]:
     return next((text for pattern, text in patterns if re.search(pattern, name)), None)
+
+
+def unrepresentable(names: Iterable[str]) -> Optional[str]:
+    """Why no LION model takes a checkpoint with tensors of these names (``UNREPRESENTABLE``); None if none."""
+    return next(filter(None, (_first(UNREPRESENTABLE, name) for name in names)), None)
 
 
 def _layers(keys, stack: str) -> int:
