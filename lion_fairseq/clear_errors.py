@@ -767,6 +767,12 @@ def embed_tokens_checked(embed: torch.nn.Embedding, tokens: torch.Tensor) -> tor
             "dictionary") from e
 
 
+# what learned positions are, and how a model goes past their length: for every message that meets them
+LEARNED_POSITIONS = "--lion-positions learned, LION-LIT's default"
+PAST_LEARNED_POSITIONS = ("train with --lion-positions none, or LION-D / LION-S, which have no positions and no "
+                          "length limit")
+
+
 def check_learned_positions(longest: int, max_positions: int,
                             shorter: str = "shorter inputs (--tokens-per-sample, --max-positions, --truncate-sequence)",
                             set_by: str = "--max-positions / --tokens-per-sample") -> None:
@@ -776,6 +782,4 @@ def check_learned_positions(longest: int, max_positions: int,
     if longest > max_positions:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the {max_positions} learned positions of this model "
-            f"(--lion-positions learned, LION-LIT's default; {set_by} at training): "
-            f"use {shorter}, or train with --lion-positions none, or LION-D / LION-S, which have no positions "
-            "and no length limit")
+            f"({LEARNED_POSITIONS}; {set_by} at training): use {shorter}, or {PAST_LEARNED_POSITIONS}")

@@ -26,7 +26,8 @@ from fairseq.modules import FairseqDropout, LayerDropModuleList, LayerNorm
 from omegaconf import II
 from torch import Tensor
 
-from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
+from ..clear_errors import (LEARNED_POSITIONS, PAST_LEARNED_POSITIONS, ClearLoadErrors, check_learned_positions,
+                             embed_tokens_checked)
 from ..modules.decoder_layer import LionDecoderLayer
 from ..modules.lion_attention import IncrementalState
 from .convert import LANGUAGE_MODEL, check_ties, is_softmax_lm, softmax_to_lion
@@ -177,7 +178,8 @@ class LionLMDecoder(FairseqIncrementalDecoder):
                 self.warned_at_limit = True
                 bound, beyond = self.length_bound
                 logger.warning(f"decoding reached the model's {self.max_target_positions} {bound}: fairseq's "
-                               f"generator ends each sequence there, whatever --max-len-b asks; to go further, {beyond}")
+                               f"generator ends each sequence there, whatever --max-len-b asks; to go further, "
+                               f"{beyond}")
         # SequenceGenerator reads "attn"; LION has no attention matrix to show
         return x, {"attn": [None], "inner_states": inner_states}
 
@@ -186,8 +188,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         """What bounds the length (``max_target_positions``), and how to go further: for the messages that
         meet the bound."""
         if self.embed_positions is not None:
-            return ("learned positions (--lion-positions learned, LION-LIT's default)",
-                    "train with --lion-positions none, or LION-D / LION-S, which have no length limit")
+            return f"learned positions ({LEARNED_POSITIONS})", PAST_LEARNED_POSITIONS
         return ("positions (its --max-target-positions)",
                 "load it with a larger max_target_positions (--model-overrides, or the hub's keyword): it has no "
                 "positions to run out of")
