@@ -388,6 +388,47 @@ def test_rows_beyond_32_bit_offsets_are_copied():
     assert far.stride() == (12 * 65536 * 64, 65536 * 64, 64, 1)
 
 
+def test_launch_grids_fit_cuda_at_four_million_tokens():
+    """CUDA caps a grid's second and third axes at 65535 programs. LION-LIT's passes run a program per
+    chunk; at 4.2M tokens, more chunks than that, every launch of LION-LIT's and LION-S's forward and
+    backward (recorded, not run: ``kernel_targets``) still fits."""
+    from lion_fairseq.ops import kernel as kmod, kernel_targets
+
+    L = 64 * 65535 + 1  # more chunks than 65535 at the interpreter's 64 tokens a chunk, or any fewer
+    grids = []
+    for gated in (False, True):
+        q, k, v = (torch.randn(1, 1, L, 1, requires_grad=True) for _ in range(3))
+        f = b = -torch.rand(1, 1, L) if gated else None
+        with kernel_targets.recorded(kmod) as launches:
+            kmod.kernel_attention(q, k, v, f, b, False, True, None, 1e-6).sum().backward()
+        grids += [(launch.kernel, launch.grid) for launch in launches]
+    assert {name for name, _ in grids} == set(kernel_targets.LAUNCHED)
+    assert all(max(grid[1:], default=1) <= 65535 for _, grid in grids), grids
+
+
+def test_tf32_is_read_from_either_of_torchs_settings():
+    """Whether float32 products run in TF32 follows torch's matmul setting, set the old way (``allow_tf32``)
+    or the new (``fp32_precision``, torch >= 2.9, after which reading ``allow_tf32`` raises)."""
+    from lion_fairseq.ops.kernel import tf32_matmuls
+
+    matmul = torch.backends.cuda.matmul
+    new_way = hasattr(matmul, "fp32_precision")
+    before = matmul.fp32_precision if new_way else matmul.allow_tf32
+    try:
+        for allowed in (True, False):
+            matmul.allow_tf32 = allowed
+            assert tf32_matmuls() is allowed
+        if new_way:
+            for precision in ("tf32", "ieee"):
+                matmul.fp32_precision = precision
+                assert tf32_matmuls() is (precision == "tf32")
+    finally:
+        if new_way:
+            matmul.fp32_precision = before
+        else:
+            matmul.allow_tf32 = before
+
+
 def test_per_head_gate_gradient_at_long_length():
     """LION-D's gate, one per head and the same tensor for both directions, gets its gradient as
     ``sum_{i>j} (i - j) P_ij`` row by row, not as a sum over L of per-position sums that nearly cancel
@@ -574,7 +615,7 @@ def test_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never compiles: LION-S's forward and backward launches (per-token gates both ways,
     key padding, several segments) and its feature map's, bf16 and float32 (three TF32 products each, as with TF32 off),
     compiled by Triton and ptxas for sm_90 (H100/H200), no GPU needed, so a construct only the GPU compiler
-    refuses fails here and not on a lent GPU."""
+    refuses fails here and not on a lent GPU; and none transposes a tensor-core result."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "lion_fairseq.ops.kernel_targets", "--arch", "90", "--head-dims",
                            "64", "--dtypes", "bfloat16", "float32", "--cases", "s"], capture_output=True, text=True,
@@ -582,8 +623,10 @@ def test_kernel_compiles_for_hopper(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the table's rows (target, dtype, D, kernel, specialisation, registers, ...), not the summary's
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| sm_90 |")]
-    launches = [row for row in rows if len(row) == 11]
+    launches = [row for row in rows if len(row) == 12]
     assert {row[4].strip() for row in launches} == {"_segment_sums", "_forward_walk", "_row_grads",
                                                    "_backward_walk", "_silu_norm_forward",
                                                    "_silu_norm_backward"}, proc.stdout
     assert all(int(row[6]) > 0 for row in launches)  # registers read from each binary
+    # no tensor-core result is transposed, a pattern Triton 3.4-3.7.0 miscompiled on Hopper (fla #640)
+    assert all(int(row[9]) == 0 for row in launches), [(row[4], row[5]) for row in launches if int(row[9])]

@@ -18,6 +18,8 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
+from .kernel import launching_on
+
 ELEMENTS = 2048  # rows per program: as many as make about this many elements (4096 spilled on sm_90)
 
 
@@ -67,7 +69,8 @@ def _launch(kernel, x: Tensor, *more: Tensor) -> None:
     N, D = x.shape
     BD = max(16, triton.next_power_of_2(D))
     rows = max(1, ELEMENTS // BD)
-    kernel[(triton.cdiv(N, rows),)](x, *more, N, D, BD=BD, ROWS=rows, num_warps=4)
+    with launching_on(x):
+        kernel[(triton.cdiv(N, rows),)](x, *more, N, D, BD=BD, ROWS=rows, num_warps=4)
 
 
 class _SiluNorm(torch.autograd.Function):

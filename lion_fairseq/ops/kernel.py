@@ -46,7 +46,8 @@ G). That direction's mask in the walk's frame has the gates of the neighbouring 
 (``log_a_bwd[t-1]`` walking right, ``log_a_fwd[t+1]`` walking left). A walk's two parts run from the
 same tiles in one launch (``FUSED``: two launches in all, each reading q, k, v and dy once) or in one
 launch each (four). Each gradient is written by two launches, one per direction, and the second adds to
-the first's pair.
+the first's pair. The walks carry S and G transposed, as their products read them (dv is computed
+transposed for that), so that no tensor-core result is transposed: Triton 3.4 to 3.7.0 miscompiled that on Hopper (fla #640).
 
 Gate gradients: ``d loss / d log g_t = sum_{j < t <= i} P_ij`` with ``P_ij = M_ij (q_i . k_j) dA_ij``.
 Per-token gates take it as a suffix sum of (row sum - column sum) of P, as the PyTorch chunk form does.
@@ -55,7 +56,7 @@ cancel to a few parts in 1e4 at L = 8192; it is computed directly instead, as ``
 row by row: inside a chunk from P, and from earlier chunks through a second state
 ``S' = sum_j (distance to the chunk's end) * decay * k_j v_j^T`` that the walk carries beside S.
 
-Products: float32 inputs multiply in TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows it, else
+Products: float32 inputs multiply in TF32 where torch allows it for matmuls (``tf32_matmuls``), else
 in three TF32 products each (``tf32x3``: about float32's accuracy, on tensor cores); 16-bit inputs multiply in their dtype on tensor cores with float32 accumulation, except that float16
 products that read a state (whose entries grow with L past float16's range) or take do (``dy/(d+eps)``,
 past float16's range where a row sum is below eps, as in a padded row) run in float32. Under Triton's
@@ -65,7 +66,7 @@ own diagonal term (strong decay), dq comes out to 2e-3 of its size in float16 ag
 4e-4, and more under stronger decay (``docs/gpu.md``, "Where the gradients cancel")."""
 import functools
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -96,6 +97,16 @@ def _program(H):
     the batch and head it serves."""
     bh = tl.program_id(0).to(tl.int64)
     return bh, tl.program_id(1), bh // H, bh % H
+
+
+@triton.jit
+def _chunk_program(L, H, C: tl.constexpr):
+    """As ``_program``, for a launch of one program per chunk of each (batch x head): all on the grid's
+    first axis, since CUDA caps the others at 65535 programs (a million tokens in chunks of 16)."""
+    n = tl.cdiv(L, C)
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // n
+    return bh, (pid % n).to(tl.int32), bh // H, bh % H
 
 
 @triton.jit
@@ -137,23 +148,49 @@ def _store_rows(ptr, x, t, valid, stride_l, D, BD: tl.constexpr):
 
 
 @triton.jit
-def _load_sum(ptr, lo, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr):
-    """Rows of a float32 sum stored as a pair (see ``_store_sum``): ptr's rows plus, when SPLIT, lo's."""
-    x = _rows(ptr, t, valid, stride_l, D, BD).to(tl.float32)
-    if SPLIT:
-        x += _rows(lo, t, valid, stride_l, D, BD).to(tl.float32)
+def _cols(ptr, t, valid, stride_l, D, BD: tl.constexpr):
+    """The rows at t as the columns of a ``(BD, C)`` tile."""
+    d = tl.arange(0, BD)
+    return tl.load(ptr + t[None, :] * stride_l + d[:, None], mask=valid[None, :] & (d[:, None] < D), other=0.0)
+
+
+@triton.jit
+def _store_cols(ptr, x, t, valid, stride_l, D, BD: tl.constexpr):
+    d = tl.arange(0, BD)
+    tl.store(ptr + t[None, :] * stride_l + d[:, None], x.to(ptr.dtype.element_ty),
+             mask=valid[None, :] & (d[:, None] < D))
+
+
+@triton.jit
+def _load_sum(ptr, lo, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr, COLS: tl.constexpr = False):
+    """Rows of a float32 sum stored as a pair (see ``_store_sum``): ptr's rows plus, when SPLIT, lo's; as
+    the columns of a ``(BD, C)`` tile where ``COLS``."""
+    if COLS:
+        x = _cols(ptr, t, valid, stride_l, D, BD).to(tl.float32)
+        if SPLIT:
+            x += _cols(lo, t, valid, stride_l, D, BD).to(tl.float32)
+    else:
+        x = _rows(ptr, t, valid, stride_l, D, BD).to(tl.float32)
+        if SPLIT:
+            x += _rows(lo, t, valid, stride_l, D, BD).to(tl.float32)
     return x
 
 
 @triton.jit
-def _store_sum(ptr, lo, x, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr):
-    """Float32 rows x into ptr's dtype and, when SPLIT, what that rounding lost into lo (same dtype and
-    strides): in 16 bits the pair keeps about as many digits as float32, for a sum that a later launch
-    goes on adding to, or that the backward reads."""
+def _store_sum(ptr, lo, x, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr,
+               COLS: tl.constexpr = False):
+    """Float32 rows x (the columns of x where ``COLS``) into ptr's dtype and, when SPLIT, what that rounding
+    lost into lo (same dtype and strides): in 16 bits the pair keeps about as many digits as float32, for a
+    sum that a later launch goes on adding to, or that the backward reads."""
     hi = x.to(ptr.dtype.element_ty)
-    _store_rows(ptr, hi, t, valid, stride_l, D, BD)
-    if SPLIT:
-        _store_rows(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD)
+    if COLS:
+        _store_cols(ptr, hi, t, valid, stride_l, D, BD)
+        if SPLIT:
+            _store_cols(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD)
+    else:
+        _store_rows(ptr, hi, t, valid, stride_l, D, BD)
+        if SPLIT:
+            _store_rows(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD)
 
 
 @triton.jit
@@ -274,14 +311,23 @@ def _in_chunk_decay(hi, lo, C: tl.constexpr, STRICT: tl.constexpr, HAS_GATE: tl.
 
 
 @triton.jit
-def _load_state(ptr, z_ptr, idx, BK: tl.constexpr, BV: tl.constexpr, HAS: tl.constexpr):
+def _load_state(ptr, z_ptr, idx, BK: tl.constexpr, BV: tl.constexpr, HAS: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """A state S ``(BK, BV)`` stored at ``idx``, or its transpose ``(BV, BK)`` (``TRANSPOSED``), and its
+    normaliser z ``(BK,)``; zeros where not ``HAS``."""
     kk = tl.arange(0, BK)
     vv = tl.arange(0, BV)
     if HAS:
-        S = tl.load(ptr + idx * BK * BV + kk[:, None] * BV + vv[None, :])
+        if TRANSPOSED:
+            S = tl.load(ptr + idx * BK * BV + kk[None, :] * BV + vv[:, None])
+        else:
+            S = tl.load(ptr + idx * BK * BV + kk[:, None] * BV + vv[None, :])
         z = tl.load(z_ptr + idx * BK + kk)
     else:
-        S = tl.zeros((BK, BV), tl.float32)
+        if TRANSPOSED:
+            S = tl.zeros((BV, BK), tl.float32)
+        else:
+            S = tl.zeros((BK, BV), tl.float32)
         z = tl.zeros((BK,), tl.float32)
     return S, z
 
@@ -388,7 +434,7 @@ def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
     YLp = YL + b * sy_b + h * sy_h
     Gp = G + b * sg_b + h * sg_h
     DENp = DEN + bh * L
-    S, z = _load_state(S0, Z0, bh * tl.num_programs(1) + seg, BK, BV, HAS_STATE)
+    S, z = _load_state(S0, Z0, bh * tl.num_programs(1) + seg, BK, BV, HAS_STATE, False)
     PADp = PAD + b * sp_b
     c0 = seg * seg_chunks
     if PREFETCH:
@@ -460,9 +506,11 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
     DKp, DKLp = DK + b * sdk_b + h * sdk_h, DKL + b * sdk_b + h * sdk_h
     DVp, DVLp = DV + b * sdv_b + h * sdv_h, DVL + b * sdv_b + h * sdv_h
     idx = bh * tl.num_programs(1) + seg
-    S, z = _load_state(S0, Z0, idx, BK, BV, S_IN)
-    S1, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN)
-    Gs, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN)
+    # the states are carried as their products read them, transposed: Triton 3.4 to 3.7.0 computed wrong
+    # products on Hopper from a transposed tensor-core result (fla #640), which S and G are
+    ST, z = _load_state(S0, Z0, idx, BK, BV, S_IN, True)
+    S1T, z1 = _load_state(S10, Z10, idx, BK, BV, M_IN, True)
+    GsT, gz = _load_state(G0, GZ0, idx, BK, BV, G_IN, True)
     ii = tl.arange(0, C)[:, None]
     jj = tl.arange(0, C)[None, :]
     pos = tl.arange(0, C).to(tl.float32)
@@ -494,7 +542,7 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
             W = _in_chunk_decay(hi, lo, C, REVERSE, GATE_A)
             A = _mm(q, tl.trans(k), DT, PREC) * W
             dA = _mm(do, tl.trans(v), GDT, PREC) + dden[:, None]
-            dq_in = read[:, None] * (_mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :])
+            dq_in = read[:, None] * (_mm(do, ST, SDT, PREC) + dden[:, None] * z[None, :])
             dq = _mm(dA * W, k, GDT, PREC) + dq_in
             if not FIRST:
                 dq += _load_sum(DQp, DQLp, t, valid, sdq_l, Dk, BK, LO_IN)
@@ -506,34 +554,35 @@ def _backward_walk(Q, K, V, DY, DDEN, DEN, GA, GB, PAD, S0, Z0, S10, Z10, G0, GZ
                 if DCUM_A:
                     tl.store(RCA + bh * L + t, tl.sum(P, 1) - tl.sum(P, 0) + gain, mask=valid)
                 if MOMENTS:
-                    far = read[:, None] * (_mm(do, tl.trans(S1), SDT, PREC) + dden[:, None] * z1[None, :])
+                    far = read[:, None] * (_mm(do, S1T, SDT, PREC) + dden[:, None] * z1[None, :])
                     mom += tl.sum(P * (ii - jj).to(tl.float32), 1) + (pos + 1) * gain + tl.sum(qf * far, 1)
             ks = k.to(tl.float32) * own[:, None]
             if MOMENTS:
                 kd = ks * (C - 1 - pos)[:, None]
-                S1 = decay * (S1 + C * S) + _mm(tl.trans(kd), v, DT, PREC)
+                S1T = decay * (S1T + C * ST) + _mm(tl.trans(v), kd, DT, PREC)
                 z1 = decay * (z1 + C * z) + tl.sum(kd, 0)
-            S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
+            ST = decay * ST + _mm(tl.trans(v), ks, DT, PREC)
             z = decay * z + tl.sum(ks, 0)
         if AGAINST:
             hi, lo, read, own, decay = _decays(gb)
             # in the chunk, keys j (rows) read queries i <= j (columns) of this frame: the transpose of
             # what the other walk's along part computes for dq
             W = _in_chunk_decay(hi, lo, C, not REVERSE, GATE_B)
-            A = _mm(k, tl.trans(q), DT, PREC) * W
+            AT = _mm(q, tl.trans(k), DT, PREC) * tl.trans(W)  # the scores' transpose, queries by keys
             dA = _mm(v, tl.trans(do), GDT, PREC) + dden[None, :]
-            dk_in = read[:, None] * (_mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :])
+            dk_in = read[:, None] * (_mm(v, GsT, SDT, PREC) + gz[None, :])
             if DCUM_B:  # minus P summed over the queries of earlier chunks (zero at padded keys)
                 tl.store(RCB + bh * L + t, -tl.sum(k.to(tl.float32) * dk_in, 1), mask=valid)
             dk = _mm(dA * W, q, GDT, PREC) + dk_in
-            dv = _mm(A, do, GDT, PREC) + read[:, None] * _mm(k, Gs, SDT, PREC)
+            # dv transposed, (Dv, C): so G is read transposed only, and carried so
+            dvT = _mm(tl.trans(do), AT, GDT, PREC) + read[None, :] * _mm(GsT, tl.trans(k), SDT, PREC)
             if not FIRST:
                 dk += _load_sum(DKp, DKLp, t, valid, sdk_l, Dk, BK, LO_IN)
-                dv += _load_sum(DVp, DVLp, t, valid, sdv_l, Dv, BV, LO_IN)
+                dvT += _load_sum(DVp, DVLp, t, valid, sdv_l, Dv, BV, LO_IN, True)
             _store_sum(DKp, DKLp, tl.where(keep[:, None], dk, 0.0), t, valid, sdk_l, Dk, BK, LO_OUT)
-            _store_sum(DVp, DVLp, dv, t, valid, sdv_l, Dv, BV, LO_OUT)
+            _store_sum(DVp, DVLp, dvT, t, valid, sdv_l, Dv, BV, LO_OUT, True)
             qs = q.to(tl.float32) * own[:, None]
-            Gs = decay * Gs + _mm(tl.trans(qs), do, GDT, PREC)
+            GsT = decay * GsT + _mm(tl.trans(do), qs, GDT, PREC)
             gz = decay * gz + tl.sum(qs * dden[:, None], 0)
     if MOMENTS:
         tl.store(MOM + idx, tl.sum(mom, 0))
@@ -549,23 +598,25 @@ def _global_apply(Q, K, V, DY, Y, YL, DEN, DDEN, PAD, S0, Z0, G0, GZ0, DQ, DK, D
     """Bidirectional attention without decay (LION-LIT): every query reads the one total state.
     ``GRAD=False``: y = q S / (q . z + eps) (or q S), with YL when ``LO_OUT``; ``GRAD=True``: dq from
     (S, z), dk and dv from the total (G, gz) of the queries' side. One program per chunk."""
-    bh, c, b, h = _program(H)
+    bh, c, b, h = _chunk_program(L, H, C)
     p, valid, t = _positions(c, L, C, False)
-    S, z = _load_state(S0, Z0, bh, BK, BV, True)
-    if GRAD:
-        Gs, gz = _load_state(G0, GZ0, bh, BK, BV, True)
+    if GRAD:  # each state loaded as its product reads it, just before (the queries' total G both ways)
         keep = _keys(PAD + b * sp_b, t, valid, sp_l, C, HAS_PAD)
         k = _rows(K + b * sk_b + h * sk_h, t, keep, sk_l, Dk, BK)
         v = _rows(V + b * sv_b + h * sv_h, t, keep, sv_l, Dv, BV)
         do, dden = _grad_rows(DY + b * sdy_b + h * sdy_h, DEN + bh * L, DDEN + bh * L, t, valid, sdy_l, Dv, eps,
                               BV, C, NORMALIZE)
-        dq = _mm(do, tl.trans(S), SDT, PREC) + dden[:, None] * z[None, :]
-        dk = tl.where(keep[:, None], _mm(v, tl.trans(Gs), SDT, PREC) + gz[None, :], 0.0)
-        dv = _mm(k, Gs, SDT, PREC)
+        ST, z = _load_state(S0, Z0, bh, BK, BV, True, True)
+        dq = _mm(do, ST, SDT, PREC) + dden[:, None] * z[None, :]
         _store_rows(DQ + b * sdq_b + h * sdq_h, dq, t, valid, sdq_l, Dk, BK)
+        GsT, gz = _load_state(G0, GZ0, bh, BK, BV, True, True)
+        dk = tl.where(keep[:, None], _mm(v, GsT, SDT, PREC) + gz[None, :], 0.0)
         _store_rows(DK + b * sdk_b + h * sdk_h, dk, t, valid, sdk_l, Dk, BK)
+        Gs, _ = _load_state(G0, GZ0, bh, BK, BV, True, False)
+        dv = _mm(k, Gs, SDT, PREC)
         _store_rows(DV + b * sdv_b + h * sdv_h, dv, t, valid, sdv_l, Dv, BV)
     else:
+        S, z = _load_state(S0, Z0, bh, BK, BV, True, False)
         q = _rows(Q + b * sq_b + h * sq_h, t, valid, sq_l, Dk, BK)
         num = _mm(q, S, SDT, PREC)
         Yp = Y + b * sy_b + h * sy_h
@@ -585,7 +636,7 @@ def _row_grads(DY, Y, YL, DEN, DDEN, sdy_b, sdy_h, sdy_l, sy_b, sy_h, sy_l, L, H
     y is read as the forward left it, a pair when SPLIT: every ``dA_ij = do_i . (v_j - y_i)`` cancels
     against y, and so do the gates' gradients, which y rounded to 16 bits missed by 1% (relative RMS).
     One program per chunk."""
-    bh, c, b, h = _program(H)
+    bh, c, b, h = _chunk_program(L, H, C)
     p, valid, t = _positions(c, L, C, False)
     dy = _rows(DY + b * sdy_b + h * sdy_h, t, valid, sdy_l, Dv, BV).to(tl.float32)
     y = _load_sum(Y + b * sy_b + h * sy_h, YL + b * sy_b + h * sy_h, t, valid, sy_l, Dv, BV, SPLIT)
@@ -624,6 +675,20 @@ PREFETCH = {False: False, True: False}
 # inputs and 160 with fp16 at D = 64 (232 and 440 at D = 32), and more than split ones at D = 128
 # (kernel_targets, Triton 3.9.0)
 FUSED = {64: True, 128: False}
+
+
+def tf32_matmuls() -> bool:
+    """Whether torch lets float32 matmuls on CUDA run in TF32: ``torch.backends.cuda.matmul.fp32_precision``
+    where torch has it (2.9 on), which follows both ways of setting it; reading ``allow_tf32`` there raises
+    once the new way was used."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    if precision != "none":
+        return precision == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:  # a mix of the two ways that torch does not resolve: its default, IEEE
+        return False
 
 
 def head_class(D: int) -> int:
@@ -698,7 +763,7 @@ class _Config:
         # and so would float16 products with do = dy / (d + eps), where a row sum d is small
         self.GDT = tl.float32 if self.DT == tl.float16 else self.DT
         self.SPLIT = q.dtype != torch.float32  # 16-bit sums that a later launch reads are kept as pairs
-        tf32 = q.dtype != torch.float32 or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+        tf32 = q.dtype != torch.float32 or (q.is_cuda and tf32_matmuls())
         # float32 without TF32: three TF32 tensor-core products each (about float32's accuracy); IEEE
         # products are not tensor-core dots, and spilled 3.3-4.9 KB a thread on sm_90 (kernel_targets)
         self.PREC = "ieee" if INTERPRETED else "tf32" if tf32 else "tf32x3"
@@ -798,7 +863,7 @@ def _forward(cfg: _Config, q: Tensor, k: Tensor, v: Tensor, f: Optional[Tensor],
     common = (*_s3(q), *_s3(k), *_s3(v), *_s3(y))
     if lit:  # LION-LIT: one state for every query
         S, z = (x.sum(1) for x in _segment_states(cfg, False, None, pad, k, v, entering=False))
-        _global_apply[(B * H, triton.cdiv(L, cfg.C))](
+        _global_apply[(B * H * triton.cdiv(L, cfg.C),)](
             q, k, v, v, y, lo if lo is not None else y, den, den, pad if pad is not None else y, S, z, S, z, y, y, y,
             *common, *_s3(y), *_s3(y), *_s3(y), *_s3(y), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
             GRAD=False, HAS_PAD=pad is not None, NORMALIZE=normalize, LO_OUT=lo is not None, SDT=cfg.SDT,
@@ -869,7 +934,7 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.preserve_format) for x in (q, k, v))
     if normalize:
         dden = torch.empty(BH, L, dtype=torch.float32, device=q.device)
-        _row_grads[(BH, triton.cdiv(L, cfg.C))](
+        _row_grads[(BH * triton.cdiv(L, cfg.C),)](
             dy, y, y_lo if y_lo is not None else y, den, dden, *_s3(dy), *_s3(y), L, H, cfg.Dv, eps, C=cfg.C,
             BV=cfg.BV, SPLIT=y_lo is not None, num_warps=4)
     else:
@@ -879,7 +944,7 @@ def _backward(cfg: _Config, q, k, v, f, b, pad, y, y_lo, den, total, dy, causal:
     if total is not None:  # LION-LIT, bidirectional: the queries' total state beside the keys'
         G, gz = (x.sum(1) for x in _segment_states(cfg, False, None, pad, k, v, grad=grad, normalize=normalize,
                                                    eps=eps, entering=False))
-        _global_apply[(BH, triton.cdiv(L, cfg.C))](
+        _global_apply[(BH * triton.cdiv(L, cfg.C),)](
             q, k, v, dy, y, y, den, dden, pad if pad is not None else dy, *total, G, gz, dq, dk, dv,
             *common, *_s3(y), *_s3(dq), *_s3(dk), *_s3(dv), *_pad_strides(pad), L, H, cfg.Dk, cfg.Dv, eps,
             GRAD=True, HAS_PAD=pad is not None, NORMALIZE=normalize, LO_OUT=False, SDT=cfg.SDT, **cfg.consts())
@@ -957,11 +1022,18 @@ def _gate_grad(g: Optional[Tensor], needed: bool, mom: Optional[Tensor], rows: O
     return (full.sum(dims, keepdim=True) if dims else full).to(g.dtype)
 
 
+def launching_on(x: Tensor):
+    """Where a Triton launch runs: on the current CUDA device and its current stream, so on x's device
+    here (x may sit on another GPU than the current one), in order with torch's work on it."""
+    return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
+
+
 class _LionKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, f, b, pad, causal, normalize, eps, chunk_size, segment_chunks, keep):
         cfg = _Config(q, v, chunk_size, segment_chunks)
-        y, y_lo, den, total, entering = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps, keep)
+        with launching_on(q):
+            y, y_lo, den, total, entering = _forward(cfg, q, k, v, f, b, pad, causal, normalize, eps, keep)
         ctx.save_for_backward(q, k, v, f, b, pad, y, y_lo, den, *(total or ()))
         ctx.causal, ctx.normalize, ctx.eps = causal, normalize, eps
         ctx.chunk_size, ctx.segment_chunks = chunk_size, segment_chunks
@@ -981,8 +1053,10 @@ class _LionKernel(torch.autograd.Function):
         cfg = _backward_config(q, v, ctx.chunk_size, ctx.segment_chunks,
                                entering.tokens if entering is not None else None)
         try:
-            dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den, total if ctx.has_total else None,
-                                           dy, ctx.causal, ctx.normalize, ctx.eps, ctx.needs_input_grad, entering)
+            with launching_on(q):
+                dq, dk, dv, df, db = _backward(cfg, q, k, v, f, b, pad, y, y_lo, den,
+                                               total if ctx.has_total else None, dy, ctx.causal, ctx.normalize,
+                                               ctx.eps, ctx.needs_input_grad, entering)
         except OutOfResources as e:  # the backward's launches need more than the forward's
             from .backend import fall_back_from_triton
             from .fla import fla_available

@@ -8,11 +8,14 @@ GPU compiler refuses (a dtype a ``tl.dot`` does not take, float64 cumulative sum
 would first fail on a lent GPU. This runs the kernel's host code on small CPU tensors with every launch
 recorded instead of run, then compiles each recorded launch with Triton's own compiler and ptxas for the
 given compute capabilities (90: H100/H200, 80: A100), and reads each binary's registers, stack (spilled
-registers) and shared memory with ``cuobjdump``. What it cannot show: speed, and values (the tests check
-those under the interpreter).
+registers) and shared memory with ``cuobjdump``, and from Triton's GPU IR whether a kernel transposes a
+tensor-core result (which Triton miscompiled on Hopper: fla #640). What it cannot show: speed, and values
+(the tests check those under the interpreter).
 
 Needs Triton with its NVIDIA backend (CUDA builds of PyTorch ship it) and ``TRITON_INTERPRET`` unset."""
 import argparse
+import functools
+import inspect
 import os
 import re
 import subprocess
@@ -41,10 +44,21 @@ class Launch:
     constexprs: Dict[str, object]
     num_warps: int
     num_stages: int = 3
+    grid: tuple = ()  # how many programs, along each axis (not part of the compiled kernel's key)
 
     def key(self) -> tuple:
         return (self.kernel, tuple(sorted(self.signature.items())), tuple(sorted(
             (k, str(v)) for k, v in self.constexprs.items())), self.num_warps, self.num_stages)
+
+
+def _constexpr_names(fn) -> set:
+    """The ``tl.constexpr`` parameters of a ``@triton.jit`` function, compiled or (``TRITON_INTERPRET=1``)
+    interpreted."""
+    import triton.language as tl
+
+    if hasattr(fn, "params"):
+        return {p.name for p in fn.params if p.is_constexpr}
+    return {name for name, p in inspect.signature(fn.fn).parameters.items() if p.annotation is tl.constexpr}
 
 
 class _Recorder:
@@ -54,12 +68,12 @@ class _Recorder:
         self.fn, self.launches = fn, launches
 
     def __getitem__(self, grid):
-        return self._record
+        return functools.partial(self._record, grid)
 
-    def _record(self, *args, num_warps: int = 4, num_stages: int = 3, **kwargs) -> None:
+    def _record(self, grid, *args, num_warps: int = 4, num_stages: int = 3, **kwargs) -> None:
         names = self.fn.arg_names
         values = dict(zip(names, args), **kwargs)
-        constexpr = {p.name for p in self.fn.params if p.is_constexpr}
+        constexpr = _constexpr_names(self.fn)
         signature, constexprs = {}, {}
         for name in names:
             value = values[name]
@@ -71,7 +85,7 @@ class _Recorder:
                 signature[name] = "fp32"
             else:
                 signature[name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
-        self.launches.append(Launch(self.fn.__name__, signature, constexprs, num_warps, num_stages))
+        self.launches.append(Launch(self.fn.__name__, signature, constexprs, num_warps, num_stages, tuple(grid)))
 
 
 @contextmanager
@@ -141,8 +155,19 @@ def resources(cubin: bytes) -> Dict[str, int]:
     return {key: int(m.group(1)) if m else 0 for key, m in found.items()}
 
 
+# a transpose of a tensor-core product's result, in Triton's GPU IR: Triton 3.4 to 3.7.0 computed wrong
+# products from such a tensor on Hopper (fla #640), so the kernels carry transposed states instead
+_TRANSPOSED_MMA = re.compile(r"= tt\.trans [^\n]*?\} : tensor<[^,>]+, #mma\d*> ->")
+
+
+def transposed_products(ttgir: str) -> int:
+    """How many tensor-core results a compiled kernel (its TTGIR) transposes."""
+    return len(_TRANSPOSED_MMA.findall(ttgir))
+
+
 def compile_for(launch: Launch, arch: int) -> Dict[str, object]:
-    """Compile one recorded launch for compute capability ``arch``: its resources and compile time."""
+    """Compile one recorded launch for compute capability ``arch``: its resources, how many tensor-core
+    results it transposes (``transposed_products``) and its compile time."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -156,7 +181,8 @@ def compile_for(launch: Launch, arch: int) -> Dict[str, object]:
                                                                             "num_stages": launch.num_stages})
     seconds = time.perf_counter() - start
     # Triton's shared memory is dynamic, so it is in its metadata, not in the binary's static counts
-    return dict(resources(compiled.asm["cubin"]), shared=compiled.metadata.shared, seconds=round(seconds, 1))
+    return dict(resources(compiled.asm["cubin"]), shared=compiled.metadata.shared,
+                transposed=transposed_products(compiled.asm["ttgir"]), seconds=round(seconds, 1))
 
 
 def describe(launch: Launch) -> str:
@@ -206,11 +232,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton
 
     print(f"Triton {triton.__version__}\n")
-    print("| target | dtype | D | kernel | specialisation | registers | stack bytes | shared bytes | compile s |")
-    print("|---|---|---:|---|---|---:|---:|---:|---:|")
+    print("| target | dtype | D | kernel | specialisation | registers | stack bytes | shared bytes | "
+          "transposed products | compile s |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['kernel']} | {r['spec']} | {r['registers']} | "
-              f"{r['stack']} | {r['shared']} | {r['seconds']} |")
+              f"{r['stack']} | {r['shared']} | {r['transposed']} | {r['seconds']} |")
     print("\n| target | dtype | D | kernel | launches | with stack use (spilled registers) | most stack bytes |")
     print("|---|---|---:|---|---:|---:|---:|")
     groups: Dict[tuple, List[int]] = {}
