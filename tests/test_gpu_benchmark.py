@@ -67,8 +67,11 @@ def test_check_cases_cover_every_gate_kind_in_both_16_bit_dtypes():
     every = {(L, ca, g) for L in (1, 1000) for ca in (False, True) for g in gpu.GATES + ("strong",)} - {
         (1, ca, "strong") for ca in (False, True)}
     for dtype in ("bfloat16", "float16"):
-        assert {(c[0], c[2], c[3]) for c in cases if c[1] == dtype} == every
+        assert {(c[0], c[2], c[3]) for c in cases if c[1] == dtype and c[4] == 64} == every
     assert {c[0] for c in cases} == {1, 1000}
+    # head size 128's blocks and split backward walks: every gate kind, at the longest L
+    assert {c[3] for c in cases if c[4] == 128 and c[1] == "bfloat16" and not c[2]} == set(gpu.GATES)
+    assert {c[0] for c in cases if c[4] == 128} == {1000}
 
 
 @needs_kernel
@@ -213,8 +216,8 @@ def test_report_has_every_table(tmp_path):
               "feature_map": {"torch_ms": 0.5, "triton_ms": 0.1}}
     gpu.save(tmp_path, report)
     md = (tmp_path / "gpu.md").read_text()
-    assert "| 1000 | bfloat16 | False | head | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
-    assert "| 1 | float32 | True | token | error: RuntimeError('x') | | NO |" in md
+    assert "| 1000 | bfloat16 | False | head | 64 | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
+    assert "| 1 | float32 | True | token | 64 | error: RuntimeError('x') | | NO |" in md
     assert "| 1024 | 32 | 0.5 | - | - | skipped (budget) | - | OOM |" in md
     assert "| 1024 | lion-s-triton | 60 | 1.2e+03 | 50 | 900 |" in md
     assert "| lm | lion_s_lm | triton | 512 | 32 | 1.5e+05 | 1.5 | 21.0 |" in md
@@ -262,7 +265,7 @@ def stubbed(monkeypatch):
 
 
 def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stubbed, monkeypatch):
-    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates: {"L": L, "dtype": dt, "causal": causal,
+    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates, D=64: {"L": L, "dtype": dt, "causal": causal,
                                                                      "gates": gates, "ok": True, "finite": True,
                                                                      "errors": {"values": 0.0, "dv": 0.0}})
     monkeypatch.setattr(gpu, "measure", lambda impl, *a: stubbed.append(("measure", impl)) or {"fwd_ms": 1.0})
@@ -277,7 +280,7 @@ def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stu
 def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stubbed, monkeypatch):
     """A kernel fault (an illegal address, say) leaves the process's CUDA context unusable: the checks and
     timings after it are not run, the fairseq runs (processes of their own) go on, and the run fails."""
-    def check(L, dtype, causal, gates):
+    def check(L, dtype, causal, gates, D=64):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(gpu, "check", check)
@@ -296,7 +299,7 @@ def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stub
 
 
 def test_a_fault_while_timing_stops_the_timings_after_it(tmp_path, stubbed, monkeypatch):
-    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates: {"L": L, "dtype": dt, "causal": causal,
+    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates, D=64: {"L": L, "dtype": dt, "causal": causal,
                                                                      "gates": gates, "ok": True, "finite": True,
                                                                      "errors": {"values": 0.0, "dv": 0.0}})
     monkeypatch.setattr(gpu, "cuda_lost", lambda: "AcceleratorError('illegal memory access')")

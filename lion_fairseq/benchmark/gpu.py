@@ -4,7 +4,8 @@
 
 1. Check: LION's Triton kernel (``backend="triton"``) against the PyTorch chunk form (``backend="torch"``)
    on the GPU: float32, and bf16 and fp16 (what ``fairseq-train --fp16`` and ``--amp`` feed it) each
-   bidirectional and causal with no, per-head and per-token gates: the normalised values and the gradients
+   bidirectional and causal with no, per-head and per-token gates, at head size 64 (and 128 in 16 bits at
+   the longest L): the normalised values and the gradients
    of q, k, v and both gates, as relative RMS errors (Triton has miscompiled kernels of this kind before:
    fla #640, so a new kernel is not taken on trust); and LION-D/S's feature map on its kernel against
    PyTorch's in float64, values and gradient, in each of the three dtypes.
@@ -176,7 +177,8 @@ def check(L: int, dtype_name: str, causal: bool, gates: str, device: str = "cuda
     got, ref = (outputs(inputs, weight, backend, causal) for backend in ("triton", "torch"))
     names = [n for n, x in zip(INPUT_NAMES, inputs)
              if x is not None and not (causal and n == "log_a_bwd") and not (L == 1 and n in ("q", "k"))]
-    return {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, **compare(got, ref, names, dtype_name)}
+    return {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "D": D,
+            **compare(got, ref, names, dtype_name)}
 
 
 def check_feature_map(L: int, dtype_name: str, device: str = "cuda", B: int = 2, H: int = 12, D: int = 64) -> Dict:
@@ -203,15 +205,20 @@ def check_feature_map(L: int, dtype_name: str, device: str = "cuda", B: int = 2,
 
 
 def check_cases(lengths: List[int]) -> List[tuple]:
-    """(L, dtype, causal, gates): per-token gates in float32, every gate kind in bf16 and fp16 (what training
-    runs: fairseq-hydra-train's bf16, fairseq-train's ``--fp16`` and ``--amp``), and strong per-token gates
-    in both past L = 1 (the same kernels as per-token gates: no compiling of their own)."""
+    """(L, dtype, causal, gates, head size): at head size 64 (every base and large arch's), per-token gates in
+    float32, every gate kind in bf16 and fp16 (what training runs: fairseq-hydra-train's bf16,
+    fairseq-train's ``--fp16`` and ``--amp``), and strong per-token gates in both past L = 1 (the same
+    kernels as per-token gates: no compiling of their own); at head size 128 (the IWSLT archs', whose
+    backward walks launch once per part and whose blocks are twice as wide), the longest L in 16 bits."""
     cases = []
     for L in lengths:
         for causal in (False, True):
-            cases.append((L, "float32", causal, "token"))
+            cases.append((L, "float32", causal, "token", 64))
             gates = GATES + (("strong",) if L > 1 else ())
-            cases += [(L, dtype_name, causal, g) for dtype_name in SIXTEEN_BITS for g in gates]
+            cases += [(L, dtype_name, causal, g, 64) for dtype_name in SIXTEEN_BITS for g in gates]
+    L = max(lengths)
+    cases += [(L, "bfloat16", False, g, 128) for g in GATES]
+    cases += [(L, "bfloat16", True, "token", 128), (L, "float16", False, "token", 128)]
     return cases
 
 
@@ -397,15 +404,15 @@ def markdown(report: Dict) -> str:
                 "in that process stopped there; fairseq-train and fairseq-eval-lm run in processes of their own "
                 "and went on.", ""] if report.get("cuda_lost") else []),
              "## The kernel against the PyTorch chunk form (relative RMS)", "",
-             "| L | dtype | causal | gates | values | worst gradient | ok |", "|---|---|---|---|---|---|---|"]
+             "| L | dtype | causal | gates | D | values | worst gradient | ok |", "|---|---|---|---|---|---|---|---|"]
     for c in report["check"]:
         if "error" in c:
-            lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c.get('gates', '-')} | error: {c['error']} "
-                         "| | NO |")
+            lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c.get('gates', '-')} | {c.get('D', 64)} | "
+                         f"error: {c['error']} | | NO |")
             continue
         grads = {k: v for k, v in c["errors"].items() if k != "values"}
         worst = max(grads, key=grads.get)
-        lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c['gates']} | {c['errors']['values']:.2e} | "
+        lines.append(f"| {c['L']} | {c['dtype']} | {c['causal']} | {c['gates']} | {c.get('D', 64)} | {c['errors']['values']:.2e} | "
                      f"{worst} {grads[worst]:.2e} | {'yes' if c['ok'] else 'NO'} |")
     impls = list(IMPLS)
     lines += ["", f"## Operator: H={a['heads']}, D={a['dim']}, bf16, bidirectional, normalised, {a['tokens']} "
@@ -552,19 +559,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     # where a fault has made this process's GPU unusable, its own parts stop; those in subprocesses go on
     lost: Optional[str] = None
     cases = check_cases([int(x) for x in args.check_lengths.split(",")])
-    cases += [(4096, dtype_name, False, FEATURE_MAP) for dtype_name in ("float32",) + SIXTEEN_BITS]
-    for L, dtype_name, causal, gates in cases:
-        c = {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "ok": False}
+    cases += [(4096, dtype_name, False, FEATURE_MAP, 64) for dtype_name in ("float32",) + SIXTEEN_BITS]
+    for L, dtype_name, causal, gates, D in cases:
+        c = {"L": L, "dtype": dtype_name, "causal": causal, "gates": gates, "D": D, "ok": False}
         if lost:
             c["error"] = "not run: CUDA context lost"
         else:
             try:
-                c = check(L, dtype_name, causal, gates) if gates != FEATURE_MAP else check_feature_map(L, dtype_name)
+                c = check(L, dtype_name, causal, gates, D=D) if gates != FEATURE_MAP else check_feature_map(L, dtype_name)
             except Exception as e:
                 c["error"] = repr(e)[:300]
                 lost = lost_after(report, f"the check at L = {L}, {dtype_name}, causal={causal}, {gates}")
         report["check"].append(c)
-        print(f"check L={L} {dtype_name} causal={causal} {gates}: {c.get('errors', c.get('error'))}", flush=True)
+        print(f"check L={L} {dtype_name} causal={causal} {gates} D={D}: {c.get('errors', c.get('error'))}", flush=True)
         save(out, report)
     for L in (int(x) for x in args.lengths.split(",")):
         B = max(1, args.tokens // L)
