@@ -319,10 +319,12 @@ def tpu_message(common: Any) -> Optional[str]:
 
     if not getattr(common, "tpu", False) or importlib.util.find_spec("torch_xla") is not None:
         return None
-    asked = "--bf16 (which fairseq-train turns into --tpu)" if getattr(common, "bf16", False) else "--tpu"
+    # fairseq-train turns --memory-efficient-bf16 into --bf16 too
+    flag = "--memory-efficient-bf16" if getattr(common, "memory_efficient_bf16", False) else "--bf16"
+    asked = f"{flag} (which fairseq-train turns into --tpu)" if getattr(common, "bf16", False) else "--tpu"
     return (f"{asked} runs fairseq's TPU code, and torch_xla is not installed. For bfloat16 on GPUs (or CPUs) "
-            "use fairseq-hydra-train with common.bf16=true (configs in user_dir_examples/hydra), or train with "
-            "fairseq-train --amp / --fp16")
+            "use fairseq-hydra-train with common.bf16=true (configs in user_dir_examples/hydra); fairseq-train's "
+            "--fp16 and --amp train in float16 instead, on GPUs")
 
 
 def _wrap_trainer_init(original):

@@ -261,6 +261,11 @@ def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "--bf16 (which fairseq-train turns into --tpu)" in last, proc.stderr[-2000:]
     assert "fairseq-hydra-train with common.bf16=true" in last
+    # --memory-efficient-bf16, which fairseq-train turns into --bf16, is named as typed
+    from lion_fairseq.clear_errors import tpu_message
+
+    typed = tpu_message(argparse.Namespace(tpu=True, bf16=True, memory_efficient_bf16=True))
+    assert typed.startswith("--memory-efficient-bf16 (which fairseq-train turns into --tpu)"), typed
 
 
 # ---- precision ------------------------------------------------------------------------------------------
