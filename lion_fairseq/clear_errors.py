@@ -267,7 +267,9 @@ def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[st
     would ignore without a word: a key the checkpoint's config (``cfg``, after the overrides) does not have
     and that is a LION option or a near miss of one it has (``lion_fom``). None if nothing is. Other unknown
     keys are left to fairseq: its own tools pass some that no config holds (the hub's
-    ``load_checkpoint_heads``). Configs kept as an ``argparse.Namespace`` take any key, so say nothing."""
+    ``load_checkpoint_heads``). A LION option on a checkpoint of fairseq's own models is only logged: one
+    override string may serve both kinds of model, and fairseq ignores it there. Configs kept as an
+    ``argparse.Namespace`` take any key, so say nothing."""
     from omegaconf import DictConfig
 
     if not isinstance(cfg, DictConfig):
@@ -287,8 +289,11 @@ def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[st
         if key in newer:  # the config was saved by a lion-fairseq without it (--encoder-layers-to-keep, say)
             wrong.append(f"{key!r} (an option of this model that its config, saved before the option existed, "
                          "has not: a run restarted with --restore-file and the option on the command line takes it)")
-        elif near or key.startswith("lion_"):
+        elif near or (key.startswith("lion_") and is_lion_config(model)):
             wrong.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not an option of this model'})")
+        elif key.startswith("lion_"):
+            logger.warning(f"--model-overrides {key!r}: a LION option, and this checkpoint is a {arch}; ignored, "
+                           "as fairseq ignores it")
     if not wrong:
         return None
     return (f"--model-overrides (or the hub's keyword arguments) name what this checkpoint's config ({arch}) "

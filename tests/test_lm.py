@@ -538,6 +538,22 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk=8)
 
 
+def test_lion_override_on_a_softmax_checkpoint_is_ignored_as_fairseq_does(caplog):
+    """One --model-overrides string may serve a LION and a transformer_lm checkpoint alike: on the softmax
+    one a LION option is logged and ignored, as fairseq ignores it; on a LION one a misspelling still stops."""
+    from omegaconf import OmegaConf
+
+    from lion_fairseq.clear_errors import unknown_override_message
+
+    softmax = OmegaConf.create({"model": {"_name": "transformer_lm", "dropout": 0.1}, "task": {"data": "x"}})
+    with caplog.at_level("WARNING"):
+        assert unknown_override_message(softmax, {"lion_form": "recurrent", "dropout": 0.0}) is None
+    assert "'lion_form': a LION option, and this checkpoint is a transformer_lm; ignored" in caplog.text
+    assert "did you mean 'dropout'" in unknown_override_message(softmax, {"droput": 0.0})
+    lion = OmegaConf.create({"model": {"_name": "lion_lm", "lion_variant": "s", "lion_form": "chunk"}})
+    assert "'lion_forms' (did you mean 'lion_form')" in unknown_override_message(lion, {"lion_forms": "recurrent"})
+
+
 def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin):
     """fairseq's hub sets any keyword of sample/generate on its generation config, where nothing reads an
     unknown one: a misspelled temperature or a seed ran as if not passed. They stop, naming the option."""
