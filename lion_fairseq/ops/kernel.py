@@ -667,13 +667,13 @@ PROGRAMS_PER_SM = 4
 # software-pipelining stages of the walks' loops, forward and backward (3: Triton's default on NVIDIA GPUs)
 STAGES = {False: 3, True: 3}
 # whether the walks load the next chunk's tiles before computing their own, forward and backward (bf16
-# spills no registers either way on sm_90 at D = 64; not yet timed on a GPU)
+# spills no registers either way on sm_90 at D = 64, Triton 3.6.0; not yet timed on a GPU)
 PREFETCH = {False: False, True: False}
 # whether a bidirectional backward walks each way once with both of its parts (two launches), by head
 # class, instead of once per part (four launches, each reading q, k, v and dy again): ``_backward_passes``.
-# Compiled for sm_90 at the backward's (16, 8), fused walks spill at most 24 bytes a thread with bf16
-# inputs and 160 with fp16 at D = 64 (232 and 440 at D = 32), and more than split ones at D = 128
-# (kernel_targets, Triton 3.9.0)
+# Compiled for sm_90 at the backward's (16, 8), fused walks spill nothing with bf16 inputs and up to 224
+# bytes a thread with fp16 at D = 64 (368 and 400 at D = 32) (kernel_targets, Triton 3.9.0); at D = 128
+# more than split ones (bf16: 560 bytes against 400, Triton 3.6.0)
 FUSED = {64: True, 128: False}
 
 
@@ -743,7 +743,7 @@ class _Config:
         largest, self.num_warps = BLOCKS[backward][head_class(max(self.BK, self.BV))]
         self.num_stages = STAGES[backward]
         # float32 inputs keep a launch per part: fused, their walks spilled up to 0.7 KB a thread (3xTF32
-        # products, sm_90, kernel_targets)
+        # products, sm_90, kernel_targets; measured before the walks carried their states transposed)
         self.fused = FUSED[head_class(max(self.BK, self.BV))] and q.dtype != torch.float32
         if INTERPRETED:  # no registers to spare there, and a step costs the same at any chunk: take fewer steps
             largest = 64
