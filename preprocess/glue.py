@@ -84,7 +84,7 @@ def _column_specs(args: argparse.Namespace) -> Tuple[str, Optional[str], str]:
 
 def _resolve(spec: str, header: Optional[List[str]], path: Path, option: str) -> Optional[int]:
     """Column index for a name or an index; None when a name is not in the header."""
-    if spec.isdigit():
+    if spec.isdecimal():  # isdigit() would take "²", which int() refuses
         return int(spec)
     if header is None:
         raise PreprocessError(f"{option} {spec!r} is a name, but --no-header says {path} has no header; "

@@ -35,7 +35,6 @@ retrieval's second document), ``label/{split}.{bin,idx}`` (one class index per i
 ``<s>``/``</s>``. Written into a hidden folder and renamed into place at the end (see README).
 """
 import argparse
-import csv
 import json
 import logging
 import pickle
@@ -47,6 +46,7 @@ import numpy as np
 import torch
 
 from preprocess.errors import PreprocessError, run_main
+from preprocess.inputs import iter_lines
 from preprocess.staging import check_destdir, staged_destdir
 
 log = logging.getLogger("preprocess")
@@ -54,8 +54,6 @@ LISTOPS_VOCAB = tuple(str(d) for d in range(10)) + ("[MIN", "[MAX", "[MED", "[SM
 SPLITS = ("train", "valid", "test")
 # an item: one or two token-id sequences and a class index
 Item = Tuple[Tuple[np.ndarray, ...], int]
-
-csv.field_size_limit(sys.maxsize)  # a retrieval document is one very long field
 
 
 def _dictionary(symbols: Sequence[str]):
@@ -78,15 +76,21 @@ def listops_dictionary():
 
 # ---- readers: each yields Items ------------------------------------------------------------------------
 
-def _tsv_rows(path: Path) -> Iterator[Tuple[int, List[str]]]:
+def _tsv_rows(path: Path, is_header: Callable[[List[str]], bool]) -> Iterator[Tuple[int, List[str]]]:
+    """``(line number, fields)`` of each tab-separated line after an optional header (``is_header`` of the
+    first line's fields); lines end at ``\n`` only, as ``iter_lines`` reads them, so a stray ``\r`` in a
+    document stays in it."""
     if not path.is_file():
         raise PreprocessError(f"no such file: {path}")
-    with open(path, newline="", encoding="utf-8") as f:
-        try:
-            for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
-                yield n, row
-        except UnicodeDecodeError as e:
-            raise PreprocessError(f"{path}: not UTF-8 ({e})") from e
+    rows = 0
+    for line, text in iter_lines(path):
+        row = text.split("\t")
+        if line == 1 and is_header(row):
+            continue
+        rows += 1
+        yield line, row
+    if rows == 0:
+        raise PreprocessError(f"{path}: no data rows")
 
 
 def _label(value: str, path: Path, line: int, num_classes: int) -> int:
@@ -100,39 +104,43 @@ def _label(value: str, path: Path, line: int, num_classes: int) -> int:
     return label
 
 
-def _is_header(label_field: str) -> bool:
+def _is_header(row: List[str]) -> bool:
+    """Whether a first line's label field is not a number."""
     try:
-        float(label_field)
+        float(row[0])
         return False
     except ValueError:
         return True
 
 
+def _nonempty(seq: np.ndarray, where: str) -> np.ndarray:
+    if len(seq) == 0:
+        raise PreprocessError(f"{where}: empty (an item needs at least one token)")
+    return seq
+
+
 def read_listops(path: Path, max_length: int) -> Iterator[Item]:
     ids = {s: i + 4 for i, s in enumerate(LISTOPS_VOCAB)}
-    for line, row in _tsv_rows(path):
-        if line == 1 and row[:2] == ["Source", "Target"]:
-            continue
+    for line, row in _tsv_rows(path, lambda row: row[:2] == ["Source", "Target"]):
         if len(row) != 2:
             raise PreprocessError(f"{path}:{line}: expected 2 tab-separated columns (Source, Target); got {len(row)}")
         words = [w for w in row[0].split() if w not in ("(", ")")]
         unknown = sorted(set(words) - set(ids))
         if unknown:
             raise PreprocessError(f"{path}:{line}: unknown ListOps token(s) {unknown[:5]}")
-        yield (np.array([ids[w] for w in words[:max_length]], dtype=np.int64),), _label(row[1], path, line, 10)
+        tokens = np.array([ids[w] for w in words[:max_length]], dtype=np.int64)
+        yield (_nonempty(tokens, f"{path}:{line}: the expression"),), _label(row[1], path, line, 10)
 
 
-def _bytes(text: str, max_length: int) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)[:max_length].astype(np.int64) + 4
+def _bytes(text: str, max_length: int, where: str) -> np.ndarray:
+    return _nonempty(np.frombuffer(text.encode("utf-8"), dtype=np.uint8)[:max_length].astype(np.int64) + 4, where)
 
 
 def read_text_tsv(path: Path, max_length: int) -> Iterator[Item]:
-    for line, row in _tsv_rows(path):
-        if line == 1 and row and _is_header(row[0]):
-            continue
+    for line, row in _tsv_rows(path, _is_header):
         if len(row) < 2:
             raise PreprocessError(f"{path}:{line}: expected label<TAB>text; got {len(row)} column(s)")
-        yield (_bytes("\t".join(row[1:]), max_length),), _label(row[0], path, line, 2)
+        yield (_bytes("\t".join(row[1:]), max_length, f"{path}:{line}: the text"),), _label(row[0], path, line, 2)
 
 
 def read_imdb(folder: Path, max_length: int) -> Iterator[Item]:
@@ -142,18 +150,19 @@ def read_imdb(folder: Path, max_length: int) -> Iterator[Item]:
         if not sub.is_dir():
             raise PreprocessError(f"no such folder: {sub} (expected aclImdb/{{train,test}}/{{pos,neg}})")
         files += [(p, label) for p in sorted(sub.glob("*.txt"))]
+    if not files:
+        raise PreprocessError(f"{folder}: no pos/*.txt or neg/*.txt reviews")
     for p, label in files:
-        yield (_bytes(p.read_text(encoding="utf-8", errors="replace"), max_length),), label
+        yield (_bytes(p.read_text(encoding="utf-8", errors="replace"), max_length, str(p)),), label
 
 
 def read_retrieval(path: Path, max_length: int) -> Iterator[Item]:
-    for line, row in _tsv_rows(path):
-        if line == 1 and row and _is_header(row[0]):
-            continue
+    for line, row in _tsv_rows(path, _is_header):
         if len(row) != 5:
             raise PreprocessError(f"{path}:{line}: expected 5 tab-separated columns "
                                   f"(label, id1, id2, text1, text2); got {len(row)}")
-        yield (_bytes(row[3], max_length), _bytes(row[4], max_length)), _label(row[0], path, line, 2)
+        docs = tuple(_bytes(row[i], max_length, f"{path}:{line}: text{i - 2}") for i in (3, 4))
+        yield docs, _label(row[0], path, line, 2)
 
 
 def _cifar_batch(path: Path) -> Tuple[np.ndarray, List[int]]:
@@ -295,6 +304,8 @@ def _three(args: argparse.Namespace, names: Tuple[str, str, str]) -> Dict[str, P
 
 
 def run(args: argparse.Namespace) -> Path:
+    if args.max_length is not None and args.max_length < 1:
+        raise PreprocessError(f"--max-length must be at least 1, got {args.max_length}")
     check_destdir(args.destdir, args.force, [(getattr(args, name), f"--{name.replace('_', '-')}")
                                              for name in ("input_dir", "imdb_dir", "train", "valid", "test")])
     if args.kind == "listops":

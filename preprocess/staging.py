@@ -48,8 +48,12 @@ def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder; on normal exit it becomes ``destdir``, on error it is removed."""
     destdir = Path(destdir)
     check_destdir(destdir, force)
-    destdir.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.partial-", dir=destdir.parent))
+    try:
+        destdir.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.partial-", dir=destdir.parent))
+    except OSError as e:
+        raise PreprocessError(f"--destdir: cannot create {destdir} ({e.strerror or e}: "
+                              f"{e.filename or destdir.parent})") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be

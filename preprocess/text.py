@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# U+0085 (NEL: what cp1252's ellipsis becomes in text decoded as Latin-1) is the one character sentencepiece's
+# default normalisation keeps that fairseq splits lines on, so a piece holding it could not be read back
+NEL = "\x85"
+
+
 def _held_out(total: int, ratio: float) -> int:
     return 0 if ratio <= 0 else max(1, round(total * ratio))
 
@@ -90,6 +95,12 @@ def _write_splits(inputs: List[TextFileInfo], explicit: Dict[str, Optional[List[
     held = {"valid": 0 if explicit["valid"] else _held_out(total, args.valid_ratio),
             "test": 0 if explicit["test"] else _held_out(total, args.test_ratio)}
     n_train = total - held["valid"] - held["test"]
+    if n_train < 1:
+        kept = " and ".join(f"{n} for {s} (--{s}-ratio {getattr(args, s + '_ratio')})"
+                            for s, n in held.items() if n)
+        raise PreprocessError(f"--input has {total} line{'s' * (total != 1)}: holding out {kept}, at least one "
+                              f"line per ratio above 0, leaves none for train; give more text, or pass "
+                              f"--valid/--test FILE")
     bounds = {"train": (0, n_train), "valid": (n_train, n_train + held["valid"]),
               "test": (n_train + held["valid"], total)}
     stats = {s: {"lines": 0, "nonblank": 0} for s in SPLITS}
@@ -99,14 +110,14 @@ def _write_splits(inputs: List[TextFileInfo], explicit: Dict[str, Optional[List[
         for info in inputs:
             for _, text in iter_lines(info.path):
                 split = "train" if g < n_train else ("valid" if g < bounds["test"][0] else "test")
-                outs[split].write(text + "\n")
+                outs[split].write(text.replace(NEL, " ") + "\n")
                 stats[split]["lines"] += 1
                 stats[split]["nonblank"] += bool(text.strip())
                 g += 1
         for split, infos in explicit.items():
             for info in infos or []:
                 for _, text in iter_lines(info.path):
-                    outs[split].write(text + "\n")
+                    outs[split].write(text.replace(NEL, " ") + "\n")
                     stats[split]["lines"] += 1
                     stats[split]["nonblank"] += bool(text.strip())
     finally:
@@ -139,8 +150,8 @@ def run(args: argparse.Namespace) -> Path:
                 "test": check_text_files(args.test, "--test") if args.test else None}
     if args.spm_model is not None:
         vocab.load_spm(require_file(args.spm_model, "--spm-model"))
-        log.info("reusing %s: --vocab-size, --model-type and --character-coverage are not used",
-                 args.spm_model)
+        log.info("reusing %s: --vocab-size, --model-type, --character-coverage, --spm-option and "
+                 "--spm-input-sentence-size are not used", args.spm_model)
     spm_options = vocab.parse_spm_options(args.spm_option)
     # --spm-model is left out: the output keeps a copy of it at the same place
     texts = [(path, f"--{name}") for name in ("input", "valid", "test") for path in getattr(args, name) or []]
@@ -179,7 +190,7 @@ def run(args: argparse.Namespace) -> Path:
             "splits": {s: stats[s] for s in splits},
             "sentencepiece": {"model": vocab.MODEL_NAME, "pieces": sp.get_piece_size(),
                               "model_type": args.model_type if args.spm_model is None else "reused",
-                              "character_coverage": args.character_coverage,
+                              "character_coverage": args.character_coverage if args.spm_model is None else None,
                               "reused_from": str(args.spm_model) if args.spm_model else None},
             "dictionary": {"file": "dict.txt", "ids": "fairseq id == sentencepiece id; 0-3 are "
                                                       "<s> <pad> </s> <unk>"},

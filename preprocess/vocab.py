@@ -24,6 +24,9 @@ SPECIAL_IDS = {"bos_id": 0, "pad_id": 1, "eos_id": 2, "unk_id": 3}
 #: spm options this module fixes, because changing them would break the id alignment.
 FIXED_OPTIONS = set(SPECIAL_IDS) | {"bos_piece", "pad_piece", "eos_piece", "unk_piece", "model_prefix",
                                     "input", "vocab_size", "model_type", "character_coverage"}
+# sentencepiece trains on lines up to this many bytes and leaves longer ones out (its own default, 4192, would
+# leave out many of the paragraphs a line may hold); they are still encoded
+MAX_LINE_BYTES = 65536
 MODEL_NAME = "sentencepiece.bpe.model"  # the name fairseq's hub_utils.from_pretrained looks for
 
 
@@ -59,12 +62,13 @@ def train_spm(train_file: Path, model_prefix: Path, vocab_size: int, model_type:
     kwargs = dict(input=str(train_file), model_prefix=str(model_prefix), vocab_size=vocab_size,
                   model_type=model_type, character_coverage=character_coverage,
                   num_threads=max(1, threads), input_sentence_size=input_sentence_size,
-                  shuffle_input_sentence=True, minloglevel=0 if verbose else 1, **SPECIAL_IDS)
+                  max_sentence_length=MAX_LINE_BYTES, shuffle_input_sentence=True,
+                  minloglevel=0 if verbose else 1, **SPECIAL_IDS)
     kwargs.update(extra or {})
     try:
         call_with_heartbeat(lambda: spm.SentencePieceTrainer.train(**kwargs), "sentencepiece training",
                             heartbeat_s)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # ValueError: an --spm-option value it cannot parse
         raise PreprocessError(_explain_spm_failure(str(e), vocab_size, model_type, character_coverage,
                                                    corpus or str(train_file))) from None
     log.info("trained sentencepiece in %.1fs", time.time() - start)
@@ -85,6 +89,10 @@ def _explain_spm_failure(msg: str, vocab_size: int, model_type: str, coverage: f
         return (f"--vocab-size {vocab_size} is too small for {corpus}: its characters alone need "
                 f"{need} pieces at --character-coverage {coverage}. Pass --vocab-size {need} or more, "
                 f"or lower --character-coverage.")
+    if "sentences_.empty()" in msg:
+        return (f"sentencepiece found no line to train on in {corpus}: it leaves out lines longer than "
+                f"max_sentence_length bytes ({MAX_LINE_BYTES} unless set); pass --spm-option "
+                f"max_sentence_length=N with N above the longest line's bytes, or split the lines")
     return f"sentencepiece training failed: {msg}"
 
 

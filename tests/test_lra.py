@@ -383,6 +383,37 @@ def test_pathx_128px_trains_with_two_snakes(tmp_path):
 
 # ---- errors -----------------------------------------------------------------------------------------------
 
+def test_tsv_lines_end_at_newlines_only_and_bad_rows_are_named(tmp_path, capsys):
+    """A review's stray carriage return stays in it (a CSV reader ended the row there, shifting every later
+    line number), a byte-order mark does not hide ListOps' header, and what cannot become an item is named
+    by file and line."""
+    from fairseq.data import data_utils
+
+    for split in ("train", "dev", "test"):
+        (tmp_path / f"{split}.tsv").write_bytes(b"label\ttext\n1\tgood\rfilm\n0\tbad\n")
+    data = _preprocess("text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "bin"))
+    ds = data_utils.load_indexed_dataset(str(data / "input0" / "train"), None)
+    assert len(ds) == 2 and (ds[0] - 4).tolist() == list(b"good\rfilm")
+
+    (tmp_path / "dev.tsv").write_text("label\ttext\n1\tfine\n0\t\n")
+    assert prep.main(["text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "empty")]) == 1
+    assert f"{tmp_path / 'dev.tsv'}:3: the text: empty" in capsys.readouterr().err
+    (tmp_path / "dev.tsv").write_text("label\ttext\n")
+    assert prep.main(["text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "none")]) == 1
+    assert f"{tmp_path / 'dev.tsv'}: no data rows" in capsys.readouterr().err
+    assert prep.main(["text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "x"),
+                      "--max-length", "0"]) == 1
+    assert "--max-length must be at least 1, got 0" in capsys.readouterr().err
+
+    listops_dir = tmp_path / "listops"
+    listops_dir.mkdir()
+    for split in ("train", "val", "test"):
+        (listops_dir / f"basic_{split}.tsv").write_text("\ufeffSource\tTarget\n( [MAX 1 2 ] )\t2\n", encoding="utf-8")
+    data = _preprocess("listops", "--input-dir", str(listops_dir), "--destdir", str(tmp_path / "listops_bin"))
+    assert json.loads((data / "lra.json").read_text())["splits"]["train"]["items"] == 1
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
 def test_errors_name_the_file_line_or_option(tmp_path, capsys):
     bad = tmp_path / "tsv"
     bad.mkdir()

@@ -223,6 +223,7 @@ def _bad_text_inputs(tmp: Path):
     latin = "\n".join(corpus_lines(10)).encode("utf-8").split(b"\n")
     latin[6] += " caf\xe9".encode("latin-1")  # line 7 (1-based): a Latin-1 byte
     (tmp / "latin1.txt").write_bytes(b"\n".join(latin) + b"\n")
+    (tmp / "two.txt").write_text("one line\nand another\n", encoding="utf-8")
     return good
 
 
@@ -232,6 +233,10 @@ def _bad_text_inputs(tmp: Path):
     ("blank", ["--input", "empty (only 3 blank lines)", "blank.txt"]),
     ("latin1", ["latin1.txt:7:", "not valid UTF-8", "column"]),
     ("valid_missing", ["--valid", "file not found", "nope.txt"]),
+    # each ratio above 0 holds out a line: two lines leave none for train, which is said, not left out
+    ("too_few_lines", ["--input has 2 lines", "1 for valid", "1 for test", "none for train"]),
+    ("spm_option_value", ["sentencepiece training failed", "maybe"]),
+    ("destdir_under_a_file", ["--destdir: cannot create", "good.txt"]),
 ])
 def test_text_bad_input(tmp_path, case, expected):
     good = _bad_text_inputs(tmp_path)
@@ -240,7 +245,12 @@ def test_text_bad_input(tmp_path, case, expected):
              "empty": ["--input", str(tmp_path / "empty.txt")],
              "blank": ["--input", str(good), str(tmp_path / "blank.txt")],
              "latin1": ["--input", str(good), str(tmp_path / "latin1.txt")],
-             "valid_missing": ["--input", str(good), "--valid", str(tmp_path / "nope.txt")]}[case]
+             "valid_missing": ["--input", str(good), "--valid", str(tmp_path / "nope.txt")],
+             "too_few_lines": ["--input", str(tmp_path / "two.txt")],
+             "spm_option_value": ["--input", str(good), "--spm-option", "byte_fallback=maybe"],
+             "destdir_under_a_file": ["--input", str(good)]}[case]
+    if case == "destdir_under_a_file":
+        out = good / "out"
     proc = run_module("text", *files, "--destdir", str(out), "--vocab-size", "100")
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -249,6 +259,35 @@ def test_text_bad_input(tmp_path, case, expected):
     for needle in expected:
         assert needle in last, last
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_long_lines_and_nel_reach_sentencepiece_and_fairseq_alike(tmp_path, capsys):
+    """A paragraph a line may be past sentencepiece's own 4192-byte bound, which left such lines out of its
+    training (all of them here: it failed); U+0085, which its normalisation keeps, would make a piece that
+    fairseq splits."""
+    from fairseq.data import Dictionary
+
+    lines = corpus_lines(1000)
+    paragraphs = [" ".join(lines[i:i + 100]) for i in range(0, 400, 10)]
+    assert min(len(p.encode()) for p in paragraphs) > 4192
+    paragraphs[3] = paragraphs[3].replace(" ", "\x85", 5)
+    src = tmp_path / "paragraphs.txt"
+    src.write_text("\n".join(paragraphs) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    common = ["--input", str(src), "--destdir", str(out), "--vocab-size", "300", "--valid-ratio", "0.1",
+              "--test-ratio", "0"]
+    assert text_cli.main(common) == 0, capsys.readouterr().err
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "sentencepiece.bpe.model"))
+    dictionary = Dictionary.load(str(out / "dict.txt"))
+    train = load_split(out / "train", dictionary)
+    assert len(train) == 36
+    # fairseq id == sentencepiece id, the NEL read as a space
+    assert train[3].tolist() == sp.encode(paragraphs[3].replace("\x85", " ")) + [dictionary.eos()]
+    capsys.readouterr()
+    # a bound below every line: sentencepiece has nothing to train on, and the message says what to set
+    assert text_cli.main(common + ["--force", "--spm-option", "max_sentence_length=1000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: sentencepiece found no line to train on") and "max_sentence_length=N" in err, err
 
 
 def test_vocab_too_large_says_what_fits(tmp_path, capsys):
