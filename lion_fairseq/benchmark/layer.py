@@ -3,9 +3,9 @@
 time of forward+backward (train mode) and of forward (eval, ``no_grad``), and the peak memory of that
 inference, at batch 1.
 
-Run by ``python -m lion_fairseq.benchmark``, which starts each (layer, L) in a fresh process through
-``--child`` so that the peak resident memory it reports (the rise of ``ru_maxrss`` over the built layer
-and its input) is its own."""
+Run by ``python -m lion_fairseq.benchmark``, which starts each (layer, form, L) in a fresh process
+(``python -m lion_fairseq.benchmark.layer KIND FORM L``) so that the peak resident memory it reports
+(the rise of ``ru_maxrss`` over the built layer and its input) is its own."""
 import argparse
 import json
 import time

@@ -3,7 +3,7 @@ what fairseq's layers compute) at the same shape: time of forward and of forward
 memory of inference, against sequence length.
 
     python -m lion_fairseq.benchmark.operator                 # B=1, H=12, D=64, L=256..16384, 2 threads and 1
-    python -m lion_fairseq.benchmark.operator --small         # a one-minute run (the README's demo)
+    python -m lion_fairseq.benchmark.operator --small         # a one-minute run
 
 Each (implementation, L) runs in a fresh process, so that the peak resident memory it reports (the
 rise of ``ru_maxrss`` over the inputs) is its own. Writes a Markdown table, a JSON file and a log-log
@@ -300,12 +300,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"LION operator vs softmax attention: B={args.batch} H={args.heads} D={args.dim}, "
           f"{args.threads} threads, chunk {args.chunk_size}, best of {args.repeats}", flush=True)
     peaks = {t: run_child(argparse.Namespace(**dict(vars(args), threads=t)), "matmul", 0).get("gflops")
-             for t in [args.threads] + args.scaling_threads}
+             for t in dict.fromkeys([args.threads] + args.scaling_threads)}
     for t, g in peaks.items():
         print(f"float32 matmul (2048^3), {t} threads: {fmt(g, 1)} GFLOP/s", flush=True)
     results: Dict[str, Dict[int, Dict]] = {impl: {} for impl in args.impls}
     scaling: Dict[int, Dict[str, Dict[int, Dict]]] = {args.threads: results}
-    for threads in [args.threads] + args.scaling_threads:
+    for threads in dict.fromkeys([args.threads] + args.scaling_threads):  # a thread count given twice runs once
         ns = argparse.Namespace(**dict(vars(args), threads=threads))
         impls = args.impls if threads == args.threads else [i for i in ("sdpa", "chunk") if i in args.impls]
         res = scaling.setdefault(threads, {impl: {} for impl in impls})

@@ -14,8 +14,8 @@ weights (speed does not depend on them): the source of S tokens is encoded once,
 are decoded through each decoder's ``incremental_state`` as fairseq's generator calls it; reports the
 median time of the 8 steps up to target positions 16, 256 and 1024, the size of the decoding state (keys and
 values cached by softmax attention, ``(S, z)`` for LION) after 1024 tokens, and the peak RSS of the process
-(one per model and source length: Python, torch, the weights and everything decoding held). Writes ``translation.md`` and
-``translation.json`` into ``--out``."""
+(one per model and source length: Python, torch, the weights and everything decoding held). Writes ``{what}.md`` and
+``{what}.json`` (``quality`` or ``decode``) into ``--out``."""
 import argparse
 import json
 import multiprocessing
