@@ -77,13 +77,15 @@ def listops_dictionary():
 # ---- readers: each yields Items ------------------------------------------------------------------------
 
 def _tsv_rows(path: Path, is_header: Callable[[List[str]], bool]) -> Iterator[Tuple[int, List[str]]]:
-    """``(line number, fields)`` of each tab-separated line after an optional header (``is_header`` of the
-    first line's fields); lines end at ``\n`` only, as ``iter_lines`` reads them, so a stray ``\r`` in a
-    document stays in it."""
+    """``(line number, fields)`` of each nonblank tab-separated line after an optional header (``is_header``
+    of the first line's fields); lines end at ``\n`` only, as ``iter_lines`` reads them, so a stray ``\r``
+    in a document stays in it."""
     if not path.is_file():
         raise PreprocessError(f"no such file: {path}")
     rows = 0
     for line, text in iter_lines(path):
+        if not text.strip():
+            continue  # blank lines, trailing ones above all, as preprocess.glue skips them
         row = text.split("\t")
         if line == 1 and is_header(row):
             continue

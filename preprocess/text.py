@@ -176,6 +176,10 @@ def run(args: argparse.Namespace) -> Path:
                             input_sentence_size=args.spm_input_sentence_size, extra=spm_options,
                             verbose=args.verbose)
         sp = vocab.load_spm(model_file, "sentencepiece model")
+        if args.spm_model is None and sp.get_piece_size() < args.vocab_size:
+            log.warning("sentencepiece made %d pieces, fewer than --vocab-size %d (a char model makes one "
+                        "per character; with hard_vocab_limit=false the text may offer fewer)",
+                        sp.get_piece_size(), args.vocab_size)
         counts = np.zeros(sp.get_piece_size(), dtype=np.int64)
         for split in splits:
             stats[split].update(vocab.encode_file(

@@ -385,12 +385,12 @@ def test_pathx_128px_trains_with_two_snakes(tmp_path):
 
 def test_tsv_lines_end_at_newlines_only_and_bad_rows_are_named(tmp_path, capsys):
     """A review's stray carriage return stays in it (a CSV reader ended the row there, shifting every later
-    line number), a byte-order mark does not hide ListOps' header, and what cannot become an item is named
-    by file and line."""
+    line number), a trailing blank line is skipped, a byte-order mark does not hide ListOps' header, and
+    what cannot become an item is named by file and line."""
     from fairseq.data import data_utils
 
     for split in ("train", "dev", "test"):
-        (tmp_path / f"{split}.tsv").write_bytes(b"label\ttext\n1\tgood\rfilm\n0\tbad\n")
+        (tmp_path / f"{split}.tsv").write_bytes(b"label\ttext\n1\tgood\rfilm\n0\tbad\n\n")
     data = _preprocess("text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "bin"))
     ds = data_utils.load_indexed_dataset(str(data / "input0" / "train"), None)
     assert len(ds) == 2 and (ds[0] - 4).tolist() == list(b"good\rfilm")
