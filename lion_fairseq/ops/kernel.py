@@ -135,44 +135,39 @@ def _before(t, valid, L, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _rows(ptr, t, valid, stride_l, D, BD: tl.constexpr):
+def _tile(ptr, t, valid, stride_l, D, BD: tl.constexpr, COLS: tl.constexpr):
+    """Pointers to the rows at t and their mask: a ``(C, BD)`` tile, or where ``COLS`` its transpose
+    ``(BD, C)``. The mask is built first, in the order Triton emits a load's keyword and positional
+    arguments: the compiled kernels stay the ones docs/gpu.md measured, registers included."""
     d = tl.arange(0, BD)
-    return tl.load(ptr + t[:, None] * stride_l + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+    if COLS:
+        mask = valid[None, :] & (d[:, None] < D)
+        ptrs = ptr + t[None, :] * stride_l + d[:, None]
+    else:
+        mask = valid[:, None] & (d[None, :] < D)
+        ptrs = ptr + t[:, None] * stride_l + d[None, :]
+    return ptrs, mask
 
 
 @triton.jit
-def _store_rows(ptr, x, t, valid, stride_l, D, BD: tl.constexpr):
-    d = tl.arange(0, BD)
-    tl.store(ptr + t[:, None] * stride_l + d[None, :], x.to(ptr.dtype.element_ty),
-             mask=valid[:, None] & (d[None, :] < D))
+def _rows(ptr, t, valid, stride_l, D, BD: tl.constexpr, COLS: tl.constexpr = False):
+    ptrs, mask = _tile(ptr, t, valid, stride_l, D, BD, COLS)
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _cols(ptr, t, valid, stride_l, D, BD: tl.constexpr):
-    """The rows at t as the columns of a ``(BD, C)`` tile."""
-    d = tl.arange(0, BD)
-    return tl.load(ptr + t[None, :] * stride_l + d[:, None], mask=valid[None, :] & (d[:, None] < D), other=0.0)
-
-
-@triton.jit
-def _store_cols(ptr, x, t, valid, stride_l, D, BD: tl.constexpr):
-    d = tl.arange(0, BD)
-    tl.store(ptr + t[None, :] * stride_l + d[:, None], x.to(ptr.dtype.element_ty),
-             mask=valid[None, :] & (d[:, None] < D))
+def _store_rows(ptr, x, t, valid, stride_l, D, BD: tl.constexpr, COLS: tl.constexpr = False):
+    ptrs, mask = _tile(ptr, t, valid, stride_l, D, BD, COLS)
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _load_sum(ptr, lo, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.constexpr, COLS: tl.constexpr = False):
     """Rows of a float32 sum stored as a pair (see ``_store_sum``): ptr's rows plus, when SPLIT, lo's; as
     the columns of a ``(BD, C)`` tile where ``COLS``."""
-    if COLS:
-        x = _cols(ptr, t, valid, stride_l, D, BD).to(tl.float32)
-        if SPLIT:
-            x += _cols(lo, t, valid, stride_l, D, BD).to(tl.float32)
-    else:
-        x = _rows(ptr, t, valid, stride_l, D, BD).to(tl.float32)
-        if SPLIT:
-            x += _rows(lo, t, valid, stride_l, D, BD).to(tl.float32)
+    x = _rows(ptr, t, valid, stride_l, D, BD, COLS).to(tl.float32)
+    if SPLIT:
+        x += _rows(lo, t, valid, stride_l, D, BD, COLS).to(tl.float32)
     return x
 
 
@@ -183,14 +178,9 @@ def _store_sum(ptr, lo, x, t, valid, stride_l, D, BD: tl.constexpr, SPLIT: tl.co
     lost into lo (same dtype and strides): in 16 bits the pair keeps about as many digits as float32, for a
     sum that a later launch goes on adding to, or that the backward reads."""
     hi = x.to(ptr.dtype.element_ty)
-    if COLS:
-        _store_cols(ptr, hi, t, valid, stride_l, D, BD)
-        if SPLIT:
-            _store_cols(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD)
-    else:
-        _store_rows(ptr, hi, t, valid, stride_l, D, BD)
-        if SPLIT:
-            _store_rows(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD)
+    _store_rows(ptr, hi, t, valid, stride_l, D, BD, COLS)
+    if SPLIT:
+        _store_rows(lo, x - hi.to(tl.float32), t, valid, stride_l, D, BD, COLS)
 
 
 @triton.jit
