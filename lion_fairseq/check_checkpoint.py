@@ -6,8 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .clear_errors import (PACKAGE_DIR, describe_weights, load_checkpoint_file, refused_object_message,
-                           trained_as_options, unreadable_checkpoint_message)
+from .clear_errors import CheckpointError, PACKAGE_DIR, describe_weights, load_checkpoint_file, trained_as_options
 
 
 def explain(path: str) -> str:
@@ -16,10 +15,8 @@ def explain(path: str) -> str:
         return f"{path}: no such file"
     try:
         state = load_checkpoint_file(path)
-    except Exception as e:  # noqa: BLE001 - any failure to read is the diagnosis
-        if "Weights only load failed" in str(e):
-            return refused_object_message(path, e)
-        return unreadable_checkpoint_message(path, e)
+    except CheckpointError as e:  # truncated or corrupt, or intact with an object torch refuses: it says which
+        return str(e)
     cfg = state.get("cfg") if hasattr(state.get("cfg"), "get") else {}
     # a dataclass config's sections are dicts; a legacy model's (RoBERTa's) is an argparse.Namespace, inside
     # cfg or as the checkpoint's ``args``

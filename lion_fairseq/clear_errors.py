@@ -32,12 +32,14 @@ torch before 2.5 has no such allowance (``torch.serialization.safe_globals``), a
 import argparse
 import contextlib
 import difflib
+import errno
 import functools
 import logging
 import os
 import pickle
 import re
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -60,14 +62,17 @@ def _sibling_checkpoints(path: str) -> List[str]:
                  os.path.join(folder, n) != os.path.abspath(path)]
     except OSError:
         return []
-    return sorted((os.path.join(folder, n) for n in names), key=os.path.getmtime, reverse=True)
+    paths = [os.path.join(folder, n) for n in names]
+    # torch saves a zip, whose directory is written last: a file cut short has none and is no candidate
+    return sorted((p for p in paths if zipfile.is_zipfile(p)), key=os.path.getmtime, reverse=True)
 
 
 def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
     """What to tell a user whose checkpoint ``torch.load`` could not read."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
     others = _sibling_checkpoints(path)
-    hint = (f" Intact candidates next to it, newest first: {', '.join(others[:3])}." if others else "")
+    hint = (f" Complete checkpoints next to it, newest first (python -m lion_fairseq.check_checkpoint reads "
+            f"one): {', '.join(others[:3])}." if others else "")
     return (f"cannot read checkpoint {path} ({size} bytes): the file is truncated or corrupt "
             f"({type(error).__name__}: {(str(error).split('. ')[0] or 'empty file')[:160]}). This happens when a run is killed "
             "while it writes or copies a checkpoint, or when a copy is incomplete. fairseq-train resumes from "
@@ -132,12 +137,36 @@ def _wrap_broadcast_object(original):
     return broadcast_object
 
 
+def checkpoint_file_error(path: str, error: BaseException) -> CheckpointError:
+    """The error to raise for ``error``, which reading the checkpoint file ``path`` raised: the file is intact
+    but holds an object that torch's ``weights_only`` load refuses, or it is truncated or corrupt."""
+    if "Unsupported global" in str(error):  # torch names the refused object so; else the file itself is bad
+        return CheckpointError(refused_object_message(path, error))
+    return CheckpointError(unreadable_checkpoint_message(path, error))
+
+
+def _of_the_file(error: BaseException) -> bool:
+    """Whether an error from fairseq's checkpoint reader is about the file's bytes (a truncated zip, an empty
+    file, a bad pickle), not about what fairseq did with what it read."""
+    text = str(error)
+    return (isinstance(error, (pickle.UnpicklingError, EOFError))
+            or (isinstance(error, OSError) and error.errno == errno.EINVAL)  # torch's zip reader, on some cuts
+            or any(s in text for s in ("PytorchStreamReader", "zip archive", "central directory"))
+            or "pickle" in text.lower())
+
+
 def load_checkpoint_file(path: str) -> Dict[str, Any]:
     """``torch.load`` of a checkpoint as fairseq loads it, allowing what ``_allowed_in_checkpoints`` allows for
-    this call only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5)."""
+    this call only: ``weights_only`` where torch can allow it, torch's own default otherwise (torch < 2.5).
+    A file torch cannot read raises ``CheckpointError`` saying why and what to do."""
     weights_only = {"weights_only": True} if hasattr(torch.serialization, "safe_globals") else {}
     with _allowed_in_checkpoints():
-        return torch.load(path, map_location="cpu", **weights_only)
+        try:
+            return torch.load(path, map_location="cpu", **weights_only)
+        except Exception as e:  # noqa: BLE001 - of an existing file, any failure of torch.load is the file's
+            if not os.path.isfile(path):
+                raise
+            raise checkpoint_file_error(path, e) from e
 
 
 # what the weights were trained with: an override of one loads without a word (no tensor changes shape) and
@@ -223,19 +252,10 @@ def _wrap_load_checkpoint_to_cpu(original):
         try:
             with _allowed_in_checkpoints():
                 state = original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
-        except pickle.UnpicklingError as e:
-            if "Weights only load failed" in str(e):  # intact, with an object weights_only refuses
-                raise CheckpointError(refused_object_message(str(path), e)) from e
-            raise CheckpointError(unreadable_checkpoint_message(str(path), e)) from e
-        except (RuntimeError, EOFError, ValueError) as e:
-            if isinstance(e, CheckpointError) or not os.path.isfile(str(path)):
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+            if isinstance(e, CheckpointError) or not os.path.isfile(str(path)) or not _of_the_file(e):
                 raise
-            # only errors of the file itself (torch.load of a truncated zip, an empty file, a bad pickle)
-            text = str(e)
-            if isinstance(e, EOFError) or "PytorchStreamReader" in text or "zip archive" in text \
-                    or "pickle" in text.lower() or "central directory" in text:
-                raise CheckpointError(unreadable_checkpoint_message(str(path), e)) from e
-            raise
+            raise checkpoint_file_error(str(path), e) from e
         unknown = unknown_override_message(state.get("cfg"), arg_overrides or {})
         if unknown:
             raise ValueError(f"{path}: {unknown}")
@@ -540,9 +560,15 @@ DICTIONARY_DIFFERS = "the dictionary"
 
 def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch.Tensor]) -> Optional[str]:
     """The first option in which a checkpoint's weights and a model's differ, said with what to pass:
-    positions, variant, sizes, then the levers (None if the weights agree on all of them)."""
+    variant, positions, sizes, then the levers (None if the weights agree on all of them)."""
     a, b = _facts(checkpoint), _facts(model)
     stack = "decoder" if any(k.startswith("decoder.layers.") for k in model) else "encoder"
+    # the variant first: its arch brings its default positions (learned for LIT, none for D and S)
+    if a["variant"] != b["variant"]:
+        v = a["variant"]
+        return (f"the LION variant: the checkpoint is LION-{v.upper()} and the model LION-{b['variant'].upper()}; "
+                f"pass an --arch of LION-{v.upper()} (lion_{v}, lion_{v}_lm, lion_{v}_transformer, with the size the "
+                "checkpoint was trained at)")
     if a["positions"] != b["positions"]:
         if a["positions"] is None or b["positions"] is None:
             has = lambda n: f"{n} learned positions" if n else "no positions"  # noqa: E731
@@ -552,11 +578,6 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
         return (f"learned positions: the checkpoint has {a['positions']} and the model {b['positions']}; pass "
                 f"{option} {a['positions']} (the length it was trained with: learned positions have no weights past it, "
                 "so no --model-overrides or hub keyword of a longer one adds any)")
-    if a["variant"] != b["variant"]:
-        v = a["variant"]
-        return (f"the LION variant: the checkpoint is LION-{v.upper()} and the model LION-{b['variant'].upper()}; "
-                f"pass an --arch of LION-{v.upper()} (lion_{v}, lion_{v}_lm, lion_{v}_transformer, with the size the "
-                "checkpoint was trained at)")
     for fact, option in (("layers", f"--{stack}-layers"), ("width", f"--{stack}-embed-dim"),
                          ("ffn", f"--{stack}-ffn-embed-dim")):
         if a[fact] != b[fact]:
@@ -603,6 +624,9 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
     if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" \
             or PathManager.isfile(filename):
         return None
+    if os.path.isdir(filename):
+        return (f"--restore-file {filename} is a folder, and fairseq would train from random weights instead: pass "
+                "a checkpoint file in it (its checkpoint_last.pt, say)")
     resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
                                                          "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
     if resets:

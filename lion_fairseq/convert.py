@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .clear_errors import PACKAGE_DIR, load_checkpoint_file
+from .clear_errors import CheckpointError, PACKAGE_DIR, load_checkpoint_file
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args, extra = p.parse_known_args(argv)
     try:
         model, flags = convert(args.checkpoint, args.out, args.arch, args.data, extra)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"lion_fairseq.convert: {e}", file=sys.stderr)
         return 2
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY

@@ -424,6 +424,8 @@ def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path
     class Cfg:
         restore_file = str(tmp_path / "run" / "checkpoint_last.pt")
     assert missing_restore_file_message(Cfg.restore_file, Cfg) is None  # a first launch, spelled as a path
+    Cfg.restore_file = str(tmp_path)  # the save dir, not a file in it
+    assert "is a folder" in missing_restore_file_message(Cfg.restore_file, Cfg)
 
 
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
@@ -440,6 +442,10 @@ def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     assert "--lion-output-gate" in first_difference(weights("--arch", "lion_s_tiny", "--lion-output-gate"), base)
     assert "--lion-positions learned" in first_difference(
         weights("--arch", "lion_s_tiny", "--lion-positions", "learned"), base)
+    # LION-LIT's weights (learned positions, its default) into LION-S: the arch, whose default positions follow,
+    # not --lion-positions, which would only lead to the next refusal
+    assert "LION-LIT and the model LION-S; pass an --arch of LION-LIT" in first_difference(
+        weights("--arch", "lion_lit_tiny"), base)
     assert first_difference(base, weights("--arch", "lion_s_tiny")) is None
 
 

@@ -193,6 +193,11 @@ def test_fla_available_rules(monkeypatch):
     assert not fla_available(types.SimpleNamespace(is_cuda=True, dtype=torch.float64))
     monkeypatch.setenv("LION_FLA", "0")
     assert not fla_available(cuda_like)
+    monkeypatch.setenv("LION_FLA", "off")
+    assert not fla_available(cuda_like)
+    monkeypatch.setenv("LION_FLA", "nope")  # not left on without a word
+    with pytest.raises(ValueError, match="LION_FLA must be 0"):
+        fla_available(cuda_like)
 
 
 def test_missing_fla_says_what_to_install(monkeypatch):

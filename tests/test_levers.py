@@ -172,7 +172,9 @@ def test_encoder_layer_streams_blockwise_with_the_levers():
 @pytest.mark.parametrize("kwargs,option", [
     (dict(short_conv=1), "--lion-short-conv"), (dict(short_conv=-2), "--lion-short-conv"),
     (dict(short_conv=4), "--lion-short-conv 4"), (dict(gate_temperature=0.0), "--lion-gate-temperature"),
-    (dict(gate_temperature=2.0, variant="lit"), "--lion-gate-temperature"),
+    # an infinite temperature makes every decay 1: LION-LIT under another name
+    (dict(gate_temperature=float("inf")), "--lion-gate-temperature must be a finite number"),
+    (dict(gate_temperature=2.0, variant="lit"), "--lion-gate-temperature.*pick a LION-D or LION-S arch"),
     (dict(eps=0.0), r"eps must be > 0 with the row normaliser")])
 def test_bad_values_name_the_option(kwargs, option):
     kwargs = dict(kwargs)

@@ -461,16 +461,26 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     intact = tmp_path / f"checkpoint_1_{HALF}.pt"
     data = (good / "checkpoint_last.pt").read_bytes()
     intact.write_bytes(data)
-    for size in (len(data) // 2, 0):  # killed while copying; killed before the first byte
+    cut = tmp_path / "checkpoint_best.pt"
+    cut.write_bytes(data[:len(data) // 3])
+    # killed while copying; killed before the first byte; cut within 64 KiB (torch's zip reader: OSError EINVAL)
+    for size in (len(data) // 2, 0, 20000):
         broken.write_bytes(data[:size])
         with pytest.raises(clear_errors.CheckpointError) as err:
             checkpoint_utils.load_checkpoint_to_cpu(str(broken))
         msg = str(err.value)
         assert "truncated or corrupt" in msg and f"({size} bytes)" in msg and "--restore-file" in msg
-        assert str(intact) in msg  # an intact candidate is named
+        assert str(intact) in msg and str(cut) not in msg  # the complete checkpoint is named, not the cut one
+        # so do the plugin's own readers (python -m lion_fairseq.convert, --teacher, check_checkpoint)
+        with pytest.raises(clear_errors.CheckpointError, match="truncated or corrupt"):
+            clear_errors.load_checkpoint_file(str(broken))
     # the explainer command says the same, and what an intact plugin checkpoint needs
     text = check_checkpoint.explain(str(broken))
     assert text.startswith("cannot read checkpoint")
+    # a file that is no checkpoint at all is not called intact (torch's weights_only refusal of its bytes)
+    (tmp_path / "notes.pt").write_text("not a checkpoint\n" * 100)
+    text = check_checkpoint.explain(str(tmp_path / "notes.pt"))
+    assert text.startswith("cannot read checkpoint") and "intact, but" not in text, text
     text = check_checkpoint.explain(str(intact))
     assert "'lion_s_lm_tiny'" in text and f"--user-dir {clear_errors.PACKAGE_DIR}" in text and "KeyError" in text
     proc = subprocess.run([sys.executable, "-m", "lion_fairseq.check_checkpoint", str(intact), str(broken)], env=ENV,

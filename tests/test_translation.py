@@ -137,6 +137,11 @@ def test_options_reach_the_layers_and_bad_ones_are_refused(mt_data):
     assert type(softmax.decoder.layers[0].encoder_attn).__name__ == "MultiheadAttention"
     with pytest.raises(ValueError, match="--lion-feature-map identity"):
         build(mt_data, "s", "softmax", "--lion-feature-map", "identity")
+    # --lion-positions beside fairseq's own position options trained with no positions at all, saying nothing
+    for given in (["--lion-positions", "none", "--encoder-learned-pos"],
+                  ["--lion-positions", "learned", "--no-token-positional-embeddings"]):
+        with pytest.raises(ValueError, match=f"--lion-positions {given[1]} and {given[2]} both choose the positions"):
+            build(mt_data, "s", "softmax", *given)
 
 
 def test_transformers_final_norm_and_embedding_file_options(mt_data, tmp_path):

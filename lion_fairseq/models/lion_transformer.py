@@ -198,9 +198,21 @@ SIZES = {
 }
 
 
+def refuse_two_position_choices(args: Any) -> None:
+    """``--lion-positions`` with one of fairseq's position options: ``none`` drops what they ask for, and
+    ``learned`` under ``--no-token-positional-embeddings`` gives no positions either."""
+    theirs = [f"--{k.replace('_', '-')}" for k in ("encoder_learned_pos", "decoder_learned_pos",
+                                                   "no_token_positional_embeddings") if getattr(args, k, None)]
+    if getattr(args, "lion_positions", None) and theirs:
+        raise ValueError(f"--lion-positions {args.lion_positions} and {' '.join(theirs)} both choose the positions: "
+                         "pass one of them")
+
+
 def lion_transformer_base(args: Any) -> None:
     """Sizes and variant the command line (or the arch) left unset: transformer base and LION-S (``--arch
     lion_transformer``), the other options at their fields' defaults."""
+    if isinstance(args, argparse.Namespace):  # the command line; a checkpoint trained so loads as it trained
+        refuse_two_position_choices(args)
     set_unset(args, dict(BASE, lion_variant="s", lion_normalize=True))
     # the rest at the dataclass's defaults: a Namespace from fairseq's parser (the legacy path) lacks every
     # option not typed (the task gives the positions, which the dataclass only refers to)

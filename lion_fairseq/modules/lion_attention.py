@@ -2,6 +2,7 @@
 ``T x B x C`` layout, with incremental (recurrent) decoding state."""
 import functools
 import logging
+import math
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -41,10 +42,12 @@ def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: st
         raise ValueError(f"--lion-feature-map {feature_map} gives scores of either sign, so the row "
                          "normaliser can divide by zero: add --no-lion-normalize (and usually "
                          "--lion-norm-after), or pick --lion-feature-map elu or silu_norm")
-    if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)) or not gate_temperature > 0:
-        raise ValueError(f"--lion-gate-temperature must be a number > 0; got {gate_temperature!r}")
+    if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)) \
+            or not 0 < gate_temperature < math.inf:  # an infinite one makes every decay 1: LION-LIT
+        raise ValueError(f"--lion-gate-temperature must be a finite number > 0; got {gate_temperature!r}")
     if variant == "lit" and gate_temperature != 1:
-        raise ValueError("--lion-gate-temperature scales the decay gates; LION-LIT (--lion-variant lit) has none")
+        raise ValueError("--lion-gate-temperature scales the decay gates; LION-LIT (--lion-variant lit) has none: "
+                         "leave it out, or pick a LION-D or LION-S arch")
     if isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 0 or short_conv == 1:
         raise ValueError(f"--lion-short-conv must be 0 (off) or a kernel width >= 2; got {short_conv!r}")
     if causal is False and short_conv and short_conv % 2 == 0:

@@ -49,9 +49,13 @@ def _load() -> Optional[Callable]:
 
 def fla_unavailable(x: Tensor) -> Optional[str]:
     """Why ``x`` cannot go through fla, or None: it must be on CUDA, in a dtype fla's kernels take, fla
-    must import, and the environment variable ``LION_FLA`` must not be ``"0"``."""
-    if os.environ.get("LION_FLA", "1") == "0":
-        return "LION_FLA=0 turns it off"
+    must import, and the environment variable ``LION_FLA`` must not turn it off (``0``, ``false``, ``no``, ``off``).
+    Another value raises: a misspelt ``LION_FLA`` would otherwise leave fla on without a word."""
+    value = os.environ.get("LION_FLA", "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return f"LION_FLA={value} turns it off"
+    if value not in ("1", "true", "yes", "on", ""):
+        raise ValueError(f"LION_FLA must be 0 (fla off) or 1 (on where it can run, the default); got {value!r}")
     if not x.is_cuda:
         return "it runs on CUDA tensors only"
     if x.dtype not in FLA_DTYPES:
