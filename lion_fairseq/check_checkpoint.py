@@ -1,12 +1,23 @@
-"""``python -m lion_fairseq.check_checkpoint CHECKPOINT...``: is each checkpoint readable, which model and
-arch is it, and what to pass to fairseq to use it (``--user-dir``). Exit status 1 if one cannot be read.
-Reads the file alone: no model is built."""
+"""``python -m lion_fairseq.check_checkpoint CHECKPOINT...``: is each checkpoint readable and its bytes intact
+(their CRCs), which model and arch is it, and what to pass to fairseq to use it (``--user-dir``). Exit status 1
+if one cannot be read. Reads the file alone: no model is built."""
 import argparse
 import os
 import sys
+import zipfile
 from typing import List, Optional
 
-from .clear_errors import CheckpointError, PACKAGE_DIR, describe_weights, load_checkpoint_file, trained_as_options
+from .clear_errors import (CheckpointError, PACKAGE_DIR, describe_weights, load_checkpoint_file, trained_as_options,
+                           unreadable_checkpoint_message)
+
+
+def corrupt_record(path: str) -> Optional[str]:
+    """The first record of a checkpoint's zip whose bytes fail their CRC, or None. torch.load does not check
+    them: a checkpoint whose bytes changed on disk or in a copy loads, and trains, without a word."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()
 
 
 def explain(path: str) -> str:
@@ -17,6 +28,9 @@ def explain(path: str) -> str:
         state = load_checkpoint_file(path)
     except CheckpointError as e:  # truncated or corrupt, or intact with an object torch refuses: it says which
         return str(e)
+    bad = corrupt_record(path)
+    if bad is not None:
+        return unreadable_checkpoint_message(path, ValueError(f"its record {bad} fails its CRC check"))
     cfg = state.get("cfg") if hasattr(state.get("cfg"), "get") else {}
     # a dataclass config's sections are dicts; a legacy model's (RoBERTa's) is an argparse.Namespace, inside
     # cfg or as the checkpoint's ``args``

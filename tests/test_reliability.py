@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -477,6 +478,17 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     # the explainer command says the same, and what an intact plugin checkpoint needs
     text = check_checkpoint.explain(str(broken))
     assert text.startswith("cannot read checkpoint")
+    # bytes changed in the middle: torch.load reads the file; the explainer finds the record that fails its CRC
+    with zipfile.ZipFile(intact) as z:  # inside the largest tensor's bytes, past its record's local header
+        record = max(z.infolist(), key=lambda i: i.file_size)
+    names = int.from_bytes(data[record.header_offset + 26:record.header_offset + 28], "little")
+    extra = int.from_bytes(data[record.header_offset + 28:record.header_offset + 30], "little")
+    middle = record.header_offset + 30 + names + extra + record.file_size // 2
+    damaged = bytearray(data)
+    damaged[middle:middle + 64] = bytes(64)
+    (tmp_path / "damaged.pt").write_bytes(bytes(damaged))
+    text = check_checkpoint.explain(str(tmp_path / "damaged.pt"))
+    assert text.startswith("cannot read checkpoint") and "fails its CRC check" in text, text
     # a file that is no checkpoint at all is not called intact (torch's weights_only refusal of its bytes)
     (tmp_path / "notes.pt").write_text("not a checkpoint\n" * 100)
     text = check_checkpoint.explain(str(tmp_path / "notes.pt"))
