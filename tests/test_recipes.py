@@ -239,12 +239,16 @@ def test_hydra_pretrain_then_finetune(spm_data, glue_data, tmp_path):
     assert cfg["model"]["encoder_layers"] == 2 and cfg["task"]["mask_prob"] == 0.3
     assert cfg["optimization"]["lr"] == [0.0008] and cfg["lr_scheduler"]["end_learning_rate"] == 1.6e-5
 
-    out = hydra("finetuning", "glue", f"task.data={glue_data}", "task.num_classes=2",
-                f"checkpoint.restore_file={tmp_path / 'mlm' / 'checkpoint_last.pt'}",
+    finetune = ["finetuning", "glue", f"task.data={glue_data}", "task.num_classes=2",
+                f"checkpoint.finetune_from_model={tmp_path / 'mlm' / 'checkpoint_last.pt'}",
                 f"checkpoint.save_dir={tmp_path / 'ft'}", "model.lion_variant=d", *TINY_ENCODER,
-                "optimization.max_update=3", "lr_scheduler.warmup_updates=1", "dataset.batch_size=8")
+                "lr_scheduler.warmup_updates=1", "dataset.batch_size=8"]
+    out = hydra(*finetune, "optimization.max_update=3")
     assert f"Loaded checkpoint {tmp_path / 'mlm' / 'checkpoint_last.pt'}" in out
     assert records(out, "valid") and "valid_accuracy" in records(out, "valid")[-1]
+    # run again for longer: it goes on from its own last checkpoint, not from the pretrained weights again
+    out = hydra(*finetune, "optimization.max_update=4")
+    assert f"Loaded checkpoint {tmp_path / 'ft' / 'checkpoint_last.pt'} (epoch 1 @ 3 updates)" in out, out[-3000:]
 
 
 def test_hydra_glue_metric_overrides_compose_as_documented():
@@ -255,7 +259,7 @@ def test_hydra_glue_metric_overrides_compose_as_documented():
     header = " ".join(line.lstrip("# ") for line in header.split("\n") if line.startswith("#"))
     tasks = [[w.rstrip(".") for w in part.split() if "=" in w] for part in header.split(";")]
     assert [len(t) for t in tasks] == [2, 2, 4], tasks  # CoLA; MRPC/QQP; STS-B
-    required = ["task.data=x", "task.num_classes=2", "checkpoint.restore_file=x", "optimization.max_update=10",
+    required = ["task.data=x", "task.num_classes=2", "checkpoint.finetune_from_model=x", "optimization.max_update=10",
                 "lr_scheduler.warmup_updates=1"]
     for overrides in tasks:
         printed = hydra("finetuning", "glue", *required, *overrides, "--cfg", "job")
@@ -342,6 +346,20 @@ def test_lm_and_translation_warm_up_for_the_same_share_of_a_shorter_run(stub_bin
         assert option(args, "--warmup-updates") == "7"
 
 
+def test_precision_defaults_to_fp16_on_a_gpu_host_unless_cpu_is_passed(stub_bin, tmp_path, monkeypatch):
+    """Where nvidia-smi sees a GPU the recipes train in fp16, but a --cpu passed on (lra/README.md's CPU
+    command) gave fairseq --fp16 --cpu, whose fp16 optimizer needs CUDA."""
+    monkeypatch.delenv("PRECISION", raising=False)
+    gpu = stub_bin / "nvidia-smi"
+    gpu.write_text("#!/usr/bin/env bash\necho 'GPU 0: a stand-in'\n")
+    gpu.chmod(gpu.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "dict.txt").write_text("a 1\n")
+    argv = ["bash", RECIPES / "lm/train.sh", tmp_path, tmp_path / "ckpt"]
+    assert "--fp16" in run_stub(stub_bin, argv)
+    args = run_stub(stub_bin, argv + ["--cpu"])
+    assert "--fp16" not in args and args[-1] == "--cpu"
+
+
 def test_lra_recipe_takes_the_recipes_precision_and_refuses_another_kind_of_arch(stub_bin, tmp_path):
     """lra/train.sh sources common.sh like the other recipes: PRECISION=amp gives --amp (it was refused);
     an arch of another kind is named before fairseq fails on an interpolation of its config."""
@@ -356,6 +374,13 @@ def test_lra_recipe_takes_the_recipes_precision_and_refuses_another_kind_of_arch
     # a shorter run warms up for the same share (it stayed in a warm-up of 1000); bad settings are named
     args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE="500")
     assert option(args, "--warmup-updates") == "100" and option(args, "--max-update") == "500"
+    # the cosine tasks fix their period (--max-update passed on stops the schedule, as for the others), and
+    # refuse a run with no update after the warm-up, where fairseq divided by zero
+    image = ["bash", RECIPES / "lra/train.sh", "image", tmp_path, tmp_path / "ckpt"]
+    args = run_stub(stub_bin, image, PRECISION="fp32")
+    assert option(args, "--lr-period-updates") == str(35000 - 175) and option(args, "--max-update") == "35000"
+    assert "MAX_UPDATE (5) must exceed WARMUP_UPDATES (5)" in run_stub(stub_bin, image, ok=False, PRECISION="fp32",
+                                                                       MAX_UPDATE="5", WARMUP_UPDATES="5")
     assert "VARIANT must be lit, d or s; got 'retnet'" in run_stub(stub_bin, argv, ok=False, VARIANT="retnet")
     assert "ORDER orders the pixels" in run_stub(stub_bin, argv, ok=False, ORDER="two_snake")
 
@@ -366,15 +391,23 @@ def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, 
     # 96 training rows, batches of 32, 10 epochs -> 30 updates, 6% warm-up -> 1
     assert option(args, "--max-update") == "30" and option(args, "--total-num-update") == "30"
     assert option(args, "--warmup-updates") == "1" and option(args, "--num-classes") == "2"
-    assert option(args, "--best-checkpoint-metric") == "accuracy" and option(args, "--restore-file") == str(ckpt)
+    assert option(args, "--best-checkpoint-metric") == "accuracy" and option(args, "--finetune-from-model") == str(ckpt)
+    assert "--restore-file" not in args  # a rerun resumes from the save dir, not from the pretrained start
     # the arch and sizes the checkpoint was trained as, unless ARCH says otherwise
     assert option(args, "--arch") == "lion_s_tiny" and option(args, "--encoder-embed-dim") == "128"
     args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], ARCH="lion_s",
                     PRECISION="fp32")
     assert option(args, "--arch") == "lion_s" and "--encoder-embed-dim" not in args
-    args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK="CoLA",
-                    PRECISION="fp32")
-    assert "--report-mcc" in args and option(args, "--best-checkpoint-metric") == "mcc"
+    for name in ("CoLA", "cola"):  # a folder named cola-bin, say, was scored by accuracy
+        args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK=name,
+                        PRECISION="fp32")
+        assert "--report-mcc" in args and option(args, "--best-checkpoint-metric") == "mcc"
+    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], ok=False,
+                   PRECISION="fp32", MAX_UPDATE="0")  # fairseq's polynomial decay asserted, naming nothing
+    assert "MAX_UPDATE must be a whole number above 0" in out
+    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], ok=False,
+                   PRECISION="fp32", BATCH_SIZE="abc")  # was bash's "abc: unbound variable"
+    assert "BATCH_SIZE must be a whole number above 0, got 'abc'" in out
     args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK="MRPC",
                     PRECISION="fp32")
     assert option(args, "--best-checkpoint-metric") == "acc_and_f1"

@@ -19,11 +19,13 @@ run() { printf '+' >&2; printf ' %q' "$@" >&2; printf '\n' >&2; "$@"; }
 
 need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found: activate the environment (source .venv/bin/activate)"; }
 
-# PRECISION=fp16|amp|fp32 (default: fp16 when nvidia-smi sees a GPU, else fp32) -> fairseq-train flags.
+# PRECISION=fp16|amp|fp32 (default: fp16 when nvidia-smi sees a GPU and the arguments, the script's own,
+# hold no --cpu; else fp32) -> fairseq-train flags.
 precision_flags() {
-  local p="${PRECISION:-}"
+  local p="${PRECISION:-}" a
   if [ -z "$p" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then p=fp16; else p=fp32; fi
+    for a in "$@"; do [ "$a" != --cpu ] || p=fp32; done  # fairseq's --fp16 optimizer needs CUDA
   fi
   case "$p" in
     fp16) echo "--fp16" ;;
@@ -35,7 +37,7 @@ precision_flags() {
 }
 
 # 6% of $1, at least 1 when $1 > 0 (the paper's linear warm-up share).
-six_percent() { local w=$(( $1 * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$1" -gt 0 ]; then w=1; fi; echo "$w"; }
+six_percent() { local m=$(( 10#$1 )); local w=$(( m * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$m" -gt 0 ]; then w=1; fi; echo "$w"; }
 
 # warm-up of MAX_UPDATE ($1) updates for a recipe whose full run warms up $2 of $3: the same share, at most $2
 # (a short run would otherwise end inside the warm-up, at a tiny learning rate); 0 (fairseq: no limit) gets $2

@@ -33,6 +33,8 @@ is_int "$MAX_POSITIONS" || die "MAX_POSITIONS must be a whole number, got '$MAX_
 
 BATCH_SIZE=${BATCH_SIZE:-32}
 MAX_EPOCH=${MAX_EPOCH:-10}
+is_int "$BATCH_SIZE" && [ "$(( 10#$BATCH_SIZE ))" -gt 0 ] || die "BATCH_SIZE must be a whole number above 0, got '$BATCH_SIZE'"
+is_int "$MAX_EPOCH" || die "MAX_EPOCH must be a whole number, got '$MAX_EPOCH'"
 if [ -f "$DATA/preprocess.json" ]; then
   read -r JSON_CLASSES REGRESSION TRAIN_ROWS < <(python - "$DATA/preprocess.json" <<'PY'
 import json, sys
@@ -47,18 +49,22 @@ NUM_CLASSES=${NUM_CLASSES:-$JSON_CLASSES}
 [ -n "$NUM_CLASSES" ] || die "set NUM_CLASSES (no $DATA/preprocess.json to read it from)"
 if [ -z "${MAX_UPDATE:-}" ]; then
   [ -n "$TRAIN_ROWS" ] || die "set MAX_UPDATE (no $DATA/preprocess.json to count the training rows)"
-  MAX_UPDATE=$(( (TRAIN_ROWS + BATCH_SIZE - 1) / BATCH_SIZE * MAX_EPOCH ))
+  MAX_UPDATE=$(( (TRAIN_ROWS + 10#$BATCH_SIZE - 1) / 10#$BATCH_SIZE * 10#$MAX_EPOCH ))
 fi
-is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+is_int "$MAX_UPDATE" && [ "$(( 10#$MAX_UPDATE ))" -gt 0 ] || die "MAX_UPDATE must be a whole number above 0 (the \
+linear decay ends there), got '$MAX_UPDATE'"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(six_percent "$MAX_UPDATE")}
-PFLAGS=$(precision_flags) || exit 2
+PFLAGS=$(precision_flags "$@") || exit 2
 
 TASK=${TASK:-$(basename "$DATA")}
 TASK=${TASK%-bin}
 METRIC=(--best-checkpoint-metric accuracy --maximize-best-checkpoint-metric)
-case "$TASK" in
-  CoLA) METRIC=(--report-mcc --best-checkpoint-metric mcc --maximize-best-checkpoint-metric) ;;
-  MRPC|QQP) METRIC=(--report-acc-and-f1 --best-checkpoint-metric acc_and_f1 --maximize-best-checkpoint-metric) ;;
+case "${TASK,,}" in  # any case: a folder named cola-bin is CoLA's
+  cola) METRIC=(--report-mcc --best-checkpoint-metric mcc --maximize-best-checkpoint-metric) ;;
+  mrpc|qqp) METRIC=(--report-acc-and-f1 --best-checkpoint-metric acc_and_f1 --maximize-best-checkpoint-metric) ;;
+  sst-2|sts-b|mnli|qnli|rte|wnli) ;;
+  *) echo "warning: TASK '$TASK' is none of CoLA SST-2 MRPC QQP STS-B MNLI QNLI RTE WNLI: the metric is accuracy" \
+       "(set TASK= for CoLA's Matthews correlation, MRPC's and QQP's F1)" >&2 ;;
 esac
 if [ "$REGRESSION" = 1 ]; then
   METRIC=(--regression-target --report-pearson-and-spearman
@@ -66,9 +72,9 @@ if [ "$REGRESSION" = 1 ]; then
 fi
 
 # --max-positions: the length the encoder was pretrained at; --shorten-method truncate cuts longer
-# pairs instead of dropping them. --reset-*: start a new run from the pretrained weights only.
-run fairseq-train "$DATA" --user-dir "$USER_DIR" --restore-file "$CKPT" \
-  --reset-optimizer --reset-dataloader --reset-meters \
+# pairs instead of dropping them. --finetune-from-model: a new run from the pretrained weights only, which
+# a rerun resumes from SAVE_DIR/checkpoint_last.pt (--restore-file with --reset-* would start it over)
+run fairseq-train "$DATA" --user-dir "$USER_DIR" --finetune-from-model "$CKPT" \
   --task sentence_prediction --criterion sentence_prediction "${ARCH_OPTS[@]}" --lion-form "${LION_FORM:-chunk}" \
   --num-classes "$NUM_CLASSES" --init-token 0 --separator-token 2 \
   --max-positions "$MAX_POSITIONS" --shorten-method truncate \

@@ -10,6 +10,7 @@ DIR=$1; DEST=$2
 for split in train valid test; do
   [ -s "$DIR/wiki.$split.tokens" ] || die "missing or empty $DIR/wiki.$split.tokens"
 done
+[ ! -e "$DEST/dict.txt" ] || die "DEST_DIR $DEST holds an earlier output (dict.txt): remove it, or pass another folder"
 need fairseq-preprocess
 run fairseq-preprocess --only-source \
   --trainpref "$DIR/wiki.train.tokens" --validpref "$DIR/wiki.valid.tokens" --testpref "$DIR/wiki.test.tokens" \

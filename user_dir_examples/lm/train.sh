@@ -16,7 +16,7 @@ need fairseq-train
 MAX_UPDATE=${MAX_UPDATE:-50000}
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 50000)}
-PFLAGS=$(precision_flags) || exit 2
+PFLAGS=$(precision_flags "$@") || exit 2
 
 # --required-batch-size-multiple 1: fairseq's default (8) silently drops a last batch of another size,
 # from the validation set too (fairseq issue #5036)

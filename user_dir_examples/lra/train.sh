@@ -16,7 +16,7 @@
 # Image 42.44, Pathfinder 71.40, Path-X failed.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
-PFLAGS=$(precision_flags) || exit 2
+PFLAGS=$(precision_flags "$@") || exit 2
 [ $# -ge 3 ] || die "usage: [VARIANT=s ...] bash $0 TASK DATA_BIN SAVE_DIR [fairseq-train options]"
 TASK=$1; DATA=$2; SAVE=$3; shift 3
 [ -f "$DATA/lra.json" ] || die "DATA_BIN $DATA has no lra.json: make it with python -m preprocess.lra (see README.md)"
@@ -38,6 +38,15 @@ MAX_UPDATE=${MAX_UPDATE:-$5}; WEIGHT_DECAY=$6
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 # a shorter run warms up for the same share of it (a short run otherwise ended inside the warm-up)
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" "$4" "$5")}; shift 6
+is_int "$WARMUP_UPDATES" || die "WARMUP_UPDATES must be a whole number, got '$WARMUP_UPDATES'"
+SCHEDULE_OPTS=()
+if [ "$SCHEDULER" = cosine ]; then
+  # fairseq's cosine decays over max-update minus the warm-up: none left divides by zero; the period is
+  # fixed here, so that --max-update passed on stops partway through this schedule instead of rescaling it
+  [ "$(( 10#$MAX_UPDATE ))" -gt "$(( 10#$WARMUP_UPDATES ))" ] || die "$TASK decays its learning rate over \
+MAX_UPDATE minus WARMUP_UPDATES updates: MAX_UPDATE ($MAX_UPDATE) must exceed WARMUP_UPDATES ($WARMUP_UPDATES)"
+  SCHEDULE_OPTS=(--lr-period-updates "$(( 10#$MAX_UPDATE - 10#$WARMUP_UPDATES ))")
+fi
 VARIANT=${VARIANT:-s}
 case "$VARIANT" in lit|d|s) ;; *) die "VARIANT must be lit, d or s; got '$VARIANT'" ;; esac
 ARCH=${ARCH:-lion_${VARIANT}_lra_${TASK}}
@@ -52,9 +61,10 @@ case "$TASK" in
 esac
 
 run fairseq-train "$DATA" --user-dir "$USER_DIR" \
-  --task "lra_$TASK" --arch "$ARCH" --criterion lion_classification --lion-form "${LION_FORM:-chunk}" "${ORDER_OPTS[@]}" \
+  --task "lra_$TASK" --arch "$ARCH" --criterion lion_classification --lion-form "${LION_FORM:-chunk}" ${ORDER_OPTS[@]+"${ORDER_OPTS[@]}"} \
   --optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-9 --weight-decay "$WEIGHT_DECAY" --clip-norm 1.0 \
-  --lr-scheduler "$SCHEDULER" --lr "$LR" --warmup-updates "$WARMUP_UPDATES" --max-update "$MAX_UPDATE" \
+  --lr-scheduler "$SCHEDULER" ${SCHEDULE_OPTS[@]+"${SCHEDULE_OPTS[@]}"} --lr "$LR" --warmup-updates "$WARMUP_UPDATES" \
+  --max-update "$MAX_UPDATE" \
   --batch-size "$BATCH_SIZE" --seed "${SEED:-1}" \
   --best-checkpoint-metric accuracy --maximize-best-checkpoint-metric --no-epoch-checkpoints \
   --validate-interval-updates "${VALIDATE_INTERVAL:-500}" --save-interval-updates "${VALIDATE_INTERVAL:-500}" \

@@ -19,9 +19,10 @@ case "$ARCH" in *_large) DEFAULT_LR=2e-4 ;; *) DEFAULT_LR=8e-4 ;; esac
 LR=${LR:-$DEFAULT_LR}
 END_LR=${END_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr * 0.02 }')}
 MAX_UPDATE=${MAX_UPDATE:-70000}
-is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+is_int "$MAX_UPDATE" && [ "$(( 10#$MAX_UPDATE ))" -gt 0 ] || die "MAX_UPDATE must be a whole number above 0 (the \
+linear decay ends there), got '$MAX_UPDATE'"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(six_percent "$MAX_UPDATE")}
-PFLAGS=$(precision_flags) || exit 2
+PFLAGS=$(precision_flags "$@") || exit 2
 
 # polynomial_decay with power 1 = linear warm-up then linear decay to END_LR at MAX_UPDATE.
 # --required-batch-size-multiple 1: fairseq's default (8) silently drops a last batch of another size,

@@ -13,6 +13,7 @@ for split in train valid test; do
     [ -s "$DIR/$split.$lang" ] || die "missing or empty $DIR/$split.$lang (run fairseq's prepare-iwslt14.sh first)"
   done
 done
+[ ! -e "$DEST/dict.$SRC.txt" ] || die "DEST_DIR $DEST holds an earlier output (dict.$SRC.txt): remove it, or pass another folder"
 need fairseq-preprocess
 run fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" \
   --trainpref "$DIR/train" --validpref "$DIR/valid" --testpref "$DIR/test" \

@@ -16,7 +16,7 @@ need fairseq-train
 MAX_UPDATE=${MAX_UPDATE:-60000}
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 60000)}
-PFLAGS=$(precision_flags) || exit 2
+PFLAGS=$(precision_flags "$@") || exit 2
 
 run fairseq-train "$DATA" --user-dir "$USER_DIR" \
   --task translation --arch "${ARCH:-lion_s_transformer_iwslt_de_en}" --share-decoder-input-output-embed \
