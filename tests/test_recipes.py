@@ -344,6 +344,9 @@ def test_lm_and_translation_warm_up_for_the_same_share_of_a_shorter_run(stub_bin
             assert option(args, "--warmup-updates") == warmup, (recipe, updates)
         args = run_stub(stub_bin, argv, PRECISION="fp32", MAX_UPDATE="20", WARMUP_UPDATES="7")
         assert option(args, "--warmup-updates") == "7"
+        # an arch of another kind, named before fairseq-train fails on an option that arch lacks
+        other = {"lm/train.sh": "lion_s_tiny", "translation/train.sh": "lion_s_lm_tiny"}[recipe]
+        assert "ARCH must be a" in run_stub(stub_bin, argv, ok=False, PRECISION="fp32", ARCH=other)
 
 
 def test_precision_defaults_to_fp16_on_a_gpu_host_unless_cpu_is_passed(stub_bin, tmp_path, monkeypatch):

@@ -56,4 +56,18 @@ encoder_arch() {
   esac
 }
 
+# the same for the causal LM and translation recipes (fairseq-train fails on an option the arch's model lacks)
+lm_arch() {
+  case "$1" in
+    lion_lm|*_lm|*_lm_*) ;;
+    *) die "ARCH must be a causal LM (lion_{lit,d,s}_lm, lion_retnet_lm, *_lm_tiny, lion_s_lm_plus), got '$1'" ;;
+  esac
+}
+translation_arch() {
+  case "$1" in
+    lion_transformer|*_transformer|*_transformer_*) ;;
+    *) die "ARCH must be a translation model (lion_{lit,d,s}_transformer{,_iwslt_de_en,_tiny}), got '$1'" ;;
+  esac
+}
+
 is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }

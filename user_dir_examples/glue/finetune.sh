@@ -8,7 +8,7 @@
 #   LR [1e-5]   MAX_EPOCH [10]   BATCH_SIZE [32]   WEIGHT_DECAY [0.1]
 #   MAX_POSITIONS [the length the checkpoint was pretrained at (roberta.base: 512), else 128]
 #   MAX_UPDATE [MAX_EPOCH epochs]   WARMUP_UPDATES [6%]   NUM_CLASSES (only without preprocess.json)
-#   LION_FORM [chunk]   PRECISION [fp16 on GPU, fp32 on CPU]   SEED [1]
+#   LION_FORM [chunk]   PRECISION [fp16 on GPU, fp32 on CPU]   SEED [1]   LOG_INTERVAL [50]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ $# -ge 3 ] || die "usage: [ARCH=lion_s ...] bash $0 TASK_DATA_BIN PRETRAINED_CHECKPOINT SAVE_DIR [fairseq-train options]"

@@ -3,7 +3,7 @@
 # sentencepiece model and dict.txt of the pretraining data (so ids match the checkpoint).
 #   bash user_dir_examples/glue/prepare.sh TASK GLUE_TASK_DIR PRETRAIN_DATA_BIN DEST_DIR
 # TASK: CoLA SST-2 MRPC QQP STS-B MNLI QNLI RTE WNLI (the folder names of GLUE's download).
-# Uses train.tsv and dev.tsv (MNLI: dev_matched.tsv); GLUE's test sets have no labels.
+# Uses train.tsv and dev.tsv (MNLI: dev_matched.tsv); GLUE's test sets have no labels. Environment: WORKERS [4]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ $# -eq 4 ] || die "usage: bash $0 TASK GLUE_TASK_DIR PRETRAIN_DATA_BIN DEST_DIR"

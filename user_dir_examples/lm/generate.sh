@@ -2,7 +2,7 @@
 # Continue prompts (one per line on stdin) with a LION LM through fairseq-interactive: fairseq's
 # SequenceGenerator with incremental (recurrent) decoding, O(1) work per generated token.
 #   echo "the history of" | bash user_dir_examples/lm/generate.sh DATA_BIN CHECKPOINT [extra options]
-# Environment: BEAM [1]   SAMPLING [1: top-k sampling; 0: beam search]   TOPK [10]
+# Environment: BEAM [1]   SAMPLING [1: top-k sampling; 0: beam search]   TOPK [10]   SEED [1]
 #   MAX_LEN [50]: new tokens after each prompt. fairseq's --max-len-b counts the prompt in (a prompt longer
 #   than it comes back cut, with nothing generated); its limit is max-len-a x source + max-len-b, the source
 #   being the prompt and a </s>, so --max-len-a 1 --max-len-b MAX_LEN-1 asks for MAX_LEN new tokens. The limit
@@ -15,8 +15,8 @@ DATA=$1; CKPT=$2; shift 2
 [ -f "$CKPT" ] || die "CHECKPOINT $CKPT not found"
 need fairseq-interactive
 MAX_LEN=${MAX_LEN:-50}
-[ "$MAX_LEN" -ge 1 ] 2>/dev/null || die "MAX_LEN=$MAX_LEN: the number of new tokens, at least 1"
+is_int "$MAX_LEN" && [ "$(( 10#$MAX_LEN ))" -ge 1 ] || die "MAX_LEN=$MAX_LEN: the number of new tokens, at least 1"
 SAMPLE=()
 if [ "${SAMPLING:-1}" = 1 ]; then SAMPLE=(--sampling --sampling-topk "${TOPK:-10}"); fi
 run fairseq-interactive "$DATA" --user-dir "$USER_DIR" --task language_modeling --path "$CKPT" \
-  --beam "${BEAM:-1}" ${SAMPLE[@]+"${SAMPLE[@]}"} --max-len-a 1 --max-len-b $((MAX_LEN - 1)) --seed "${SEED:-1}" "$@"
+  --beam "${BEAM:-1}" ${SAMPLE[@]+"${SAMPLE[@]}"} --max-len-a 1 --max-len-b $(( 10#$MAX_LEN - 1 )) --seed "${SEED:-1}" "$@"

@@ -2,7 +2,7 @@
 # WikiText-103 (or any corpus in its layout: wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens,
 # already word-tokenised) -> word-level fairseq binaries, as fairseq's own language-model recipe.
 #   bash user_dir_examples/lm/prepare.sh WIKITEXT_DIR DEST_DIR
-# For subword data instead, use python -m preprocess.text (see README.md).
+# For subword data instead, use python -m preprocess.text (see README.md). Environment: WORKERS [8]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ $# -eq 2 ] || die "usage: bash $0 WIKITEXT_DIR DEST_DIR"

@@ -13,6 +13,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 DATA=$1; SAVE=$2; shift 2
 [ -f "$DATA/dict.txt" ] || die "DATA_BIN $DATA has no dict.txt: make it with prepare.sh"
 need fairseq-train
+ARCH=${ARCH:-lion_s_lm}
+lm_arch "$ARCH"
 MAX_UPDATE=${MAX_UPDATE:-50000}
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 50000)}
@@ -21,7 +23,7 @@ PFLAGS=$(precision_flags "$@") || exit 2
 # --required-batch-size-multiple 1: fairseq's default (8) silently drops a last batch of another size,
 # from the validation set too (fairseq issue #5036)
 run fairseq-train "$DATA" --user-dir "$USER_DIR" \
-  --task language_modeling --criterion cross_entropy --arch "${ARCH:-lion_s_lm}" \
+  --task language_modeling --criterion cross_entropy --arch "$ARCH" \
   --lion-form "${LION_FORM:-chunk}" --lion-chunk-size "${LION_CHUNK_SIZE:-64}" \
   --share-decoder-input-output-embed --dropout 0.1 \
   --optimizer adam --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0 \

@@ -14,4 +14,4 @@ EXTRA=()
 [ "${REMOVE_BPE:-1}" = 1 ] && EXTRA+=(--remove-bpe)
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || EXTRA+=(--cpu)
 run fairseq-generate "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --gen-subset test \
-  --batch-size 128 --required-batch-size-multiple 1 --beam "${BEAM:-5}" "${EXTRA[@]}" "$@"
+  --batch-size 128 --required-batch-size-multiple 1 --beam "${BEAM:-5}" ${EXTRA[@]+"${EXTRA[@]}"} "$@"

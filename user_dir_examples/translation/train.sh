@@ -7,19 +7,22 @@
 #   LR [5e-4]   DROPOUT [0.3]   MAX_UPDATE [60000]   MAX_TOKENS [4096 per GPU]
 #   WARMUP_UPDATES [4000, or the same share of a shorter MAX_UPDATE]
 #   LION_FORM [chunk]   LION_CHUNK_SIZE [64]   PRECISION [fp16 on GPU, fp32 on CPU; amp]   SEED [1]
+#   LOG_INTERVAL [100]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ $# -ge 2 ] || die "usage: [ARCH=lion_s_transformer_iwslt_de_en ...] bash $0 DATA_BIN SAVE_DIR [fairseq-train options]"
 DATA=$1; SAVE=$2; shift 2
 ls "$DATA"/dict.*.txt >/dev/null 2>&1 || die "DATA_BIN $DATA has no dict.<lang>.txt: make it with prepare.sh"
 need fairseq-train
+ARCH=${ARCH:-lion_s_transformer_iwslt_de_en}
+translation_arch "$ARCH"
 MAX_UPDATE=${MAX_UPDATE:-60000}
 is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 60000)}
 PFLAGS=$(precision_flags "$@") || exit 2
 
 run fairseq-train "$DATA" --user-dir "$USER_DIR" \
-  --task translation --arch "${ARCH:-lion_s_transformer_iwslt_de_en}" --share-decoder-input-output-embed \
+  --task translation --arch "$ARCH" --share-decoder-input-output-embed \
   --lion-cross-attention "${CROSS_ATTENTION:-softmax}" \
   --lion-form "${LION_FORM:-chunk}" --lion-chunk-size "${LION_CHUNK_SIZE:-64}" \
   --dropout "${DROPOUT:-0.3}" --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.0001 \
