@@ -83,7 +83,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.options or args.max_positions:
         for path in args.checkpoints:
-            state = load_checkpoint_file(path)
+            try:
+                state = load_checkpoint_file(path)
+            except (CheckpointError, FileNotFoundError) as e:  # said once, as a line, for the script to stop on
+                print(f"error: {e}", file=sys.stderr)
+                return 1
             model_cfg = (state.get("cfg") or {}).get("model")
             if args.options:
                 print(trained_as_options(model_cfg) or "")

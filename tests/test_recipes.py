@@ -417,6 +417,10 @@ def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, 
     out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, tmp_path / "none.pt", tmp_path],
                    ok=False)
     assert "PRETRAINED_CHECKPOINT" in out and "not found" in out
+    cut = tmp_path / "cut.pt"  # said once, before fairseq-train is launched to say it again
+    cut.write_bytes(Path(ckpt).read_bytes()[:1000])
+    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, cut, tmp_path], ok=False)
+    assert out.count("truncated or corrupt") == 1 and "cannot be used" in out and "ARG " not in out, out
     # the length the encoder was pretrained at (roberta.base's 512, here 256), unless MAX_POSITIONS says otherwise
     state = torch.load(ckpt, weights_only=True)
     state["cfg"]["model"]["max_positions"] = 256

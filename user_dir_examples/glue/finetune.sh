@@ -18,8 +18,9 @@ DATA=$1; CKPT=$2; SAVE=$3; shift 3
 need fairseq-train
 # the arch, sizes and options the checkpoint was trained as, and the length it was trained at
 TRAINED_AS=(); TRAINED_POSITIONS=""
-{ read -r -a TRAINED_AS; read -r TRAINED_POSITIONS; } < <(
-  python -m lion_fairseq.check_checkpoint --options --max-positions "$CKPT") || true
+TRAINED=$(python -m lion_fairseq.check_checkpoint --options --max-positions "$CKPT") \
+  || die "PRETRAINED_CHECKPOINT $CKPT cannot be used (above)"
+{ read -r -a TRAINED_AS; read -r TRAINED_POSITIONS; } <<< "$TRAINED" || true
 if [ -n "${ARCH:-}" ]; then
   ARCH_OPTS=(--arch "$ARCH")
 else  # lion_s for a checkpoint of another kind
