@@ -190,6 +190,9 @@ def test_lm_train_eval_generate(wiki_data, tmp_path):
     out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt], ok=False, TOKENS_PER_SAMPLE="64",
               CONTEXT_WINDOW="64")
     assert "CONTEXT_WINDOW (64) must be a whole number below TOKENS_PER_SAMPLE (64)" in out
+    # passed on as options, one met the other's default (fairseq's "negative dimensions are not allowed")
+    out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt, "--tokens-per-sample", "64"], ok=False)
+    assert "--tokens-per-sample: set TOKENS_PER_SAMPLE= and CONTEXT_WINDOW= instead" in out
 
     # MAX_LEN counts new tokens: a prompt longer than it comes back whole and continued (fairseq's
     # --max-len-b alone would cut it to its first MAX_LEN tokens); --min-len (which counts the prompt) at

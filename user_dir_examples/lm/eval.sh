@@ -10,6 +10,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 DATA=$1; CKPT=$2; shift 2
 [ -f "$CKPT" ] || die "CHECKPOINT $CKPT not found"
 need fairseq-eval-lm
+for a in "$@"; do  # passed on, one would meet the other's default (400 of context at 64 tokens, say)
+  case "$a" in
+    --tokens-per-sample|--tokens-per-sample=*|--context-window|--context-window=*)
+      die "$a: set TOKENS_PER_SAMPLE= and CONTEXT_WINDOW= instead, which this script derives and checks together" ;;
+  esac
+done
 TPS=${TOKENS_PER_SAMPLE:-512}
 [[ "$TPS" =~ ^[1-9][0-9]*$ ]] || die "TOKENS_PER_SAMPLE must be a positive whole number, got '$TPS'"
 WINDOW=${CONTEXT_WINDOW:-$((TPS * 25 / 32))}
