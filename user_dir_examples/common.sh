@@ -37,12 +37,12 @@ precision_flags() {
 }
 
 # 6% of $1, at least 1 when $1 > 0 (the paper's linear warm-up share).
-six_percent() { local m=$(( 10#$1 )); local w=$(( m * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$m" -gt 0 ]; then w=1; fi; echo "$w"; }
+six_percent() { local w=$(( $1 * 6 / 100 )); if [ "$w" -lt 1 ] && [ "$1" -gt 0 ]; then w=1; fi; echo "$w"; }
 
 # warm-up of MAX_UPDATE ($1) updates for a recipe whose full run warms up $2 of $3: the same share, at most $2
 # (a short run would otherwise end inside the warm-up, at a tiny learning rate); 0 (fairseq: no limit) gets $2
 warmup_share() {
-  local m=$(( 10#$1 )) w=$2  # 10#: a leading zero is not octal
+  local m=$1 w=$2
   if [ "$m" -gt 0 ] && [ "$m" -lt "$3" ]; then w=$(( m * $2 / $3 )); fi
   if [ "$w" -lt 1 ]; then w=1; fi
   echo "$w"
@@ -71,3 +71,11 @@ translation_arch() {
 }
 
 is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }
+
+# the setting named $1 must hold a whole number (above $2 where given; $3 says why); it is rewritten in
+# decimal, which the arithmetic after it then reads as typed (bash reads a leading zero as octal)
+whole() {
+  local v="${!1}"
+  is_int "$v" && [ "$(( 10#$v ))" -gt "${2:--1}" ] || die "$1 must be a whole number${2:+ above $2}${3:+ ($3)}, got '$v'"
+  printf -v "$1" '%d' "$(( 10#$v ))"
+}

@@ -30,12 +30,12 @@ else  # lion_s for a checkpoint of another kind
 fi
 encoder_arch "$ARCH"
 MAX_POSITIONS=${MAX_POSITIONS:-${TRAINED_POSITIONS:-128}}
-is_int "$MAX_POSITIONS" || die "MAX_POSITIONS must be a whole number, got '$MAX_POSITIONS'"
+whole MAX_POSITIONS
 
 BATCH_SIZE=${BATCH_SIZE:-32}
 MAX_EPOCH=${MAX_EPOCH:-10}
-is_int "$BATCH_SIZE" && [ "$(( 10#$BATCH_SIZE ))" -gt 0 ] || die "BATCH_SIZE must be a whole number above 0, got '$BATCH_SIZE'"
-is_int "$MAX_EPOCH" || die "MAX_EPOCH must be a whole number, got '$MAX_EPOCH'"
+whole BATCH_SIZE 0
+whole MAX_EPOCH
 if [ -f "$DATA/preprocess.json" ]; then
   read -r JSON_CLASSES REGRESSION TRAIN_ROWS < <(python - "$DATA/preprocess.json" <<'PY'
 import json, sys
@@ -50,10 +50,9 @@ NUM_CLASSES=${NUM_CLASSES:-$JSON_CLASSES}
 [ -n "$NUM_CLASSES" ] || die "set NUM_CLASSES (no $DATA/preprocess.json to read it from)"
 if [ -z "${MAX_UPDATE:-}" ]; then
   [ -n "$TRAIN_ROWS" ] || die "set MAX_UPDATE (no $DATA/preprocess.json to count the training rows)"
-  MAX_UPDATE=$(( (TRAIN_ROWS + 10#$BATCH_SIZE - 1) / 10#$BATCH_SIZE * 10#$MAX_EPOCH ))
+  MAX_UPDATE=$(( (TRAIN_ROWS + BATCH_SIZE - 1) / BATCH_SIZE * MAX_EPOCH ))
 fi
-is_int "$MAX_UPDATE" && [ "$(( 10#$MAX_UPDATE ))" -gt 0 ] || die "MAX_UPDATE must be a whole number above 0 (the \
-linear decay ends there), got '$MAX_UPDATE'"
+whole MAX_UPDATE 0 "the linear decay ends there"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(six_percent "$MAX_UPDATE")}
 PFLAGS=$(precision_flags "$@") || exit 2
 

@@ -15,8 +15,8 @@ DATA=$1; CKPT=$2; shift 2
 [ -f "$CKPT" ] || die "CHECKPOINT $CKPT not found"
 need fairseq-interactive
 MAX_LEN=${MAX_LEN:-50}
-is_int "$MAX_LEN" && [ "$(( 10#$MAX_LEN ))" -ge 1 ] || die "MAX_LEN=$MAX_LEN: the number of new tokens, at least 1"
+whole MAX_LEN 0 "the number of new tokens"
 SAMPLE=()
 if [ "${SAMPLING:-1}" = 1 ]; then SAMPLE=(--sampling --sampling-topk "${TOPK:-10}"); fi
 run fairseq-interactive "$DATA" --user-dir "$USER_DIR" --task language_modeling --path "$CKPT" \
-  --beam "${BEAM:-1}" ${SAMPLE[@]+"${SAMPLE[@]}"} --max-len-a 1 --max-len-b $(( 10#$MAX_LEN - 1 )) --seed "${SEED:-1}" "$@"
+  --beam "${BEAM:-1}" ${SAMPLE[@]+"${SAMPLE[@]}"} --max-len-a 1 --max-len-b $(( MAX_LEN - 1 )) --seed "${SEED:-1}" "$@"

@@ -16,7 +16,7 @@ need fairseq-train
 ARCH=${ARCH:-lion_s_lm}
 lm_arch "$ARCH"
 MAX_UPDATE=${MAX_UPDATE:-50000}
-is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+whole MAX_UPDATE
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 50000)}
 PFLAGS=$(precision_flags "$@") || exit 2
 

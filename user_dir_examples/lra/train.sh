@@ -35,17 +35,17 @@ case "$TASK" in
 esac
 BATCH_SIZE=${BATCH_SIZE:-$1}; LR=${LR:-$2}; SCHEDULER=$3
 MAX_UPDATE=${MAX_UPDATE:-$5}; WEIGHT_DECAY=$6
-is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+whole MAX_UPDATE
 # a shorter run warms up for the same share of it (a short run otherwise ended inside the warm-up)
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" "$4" "$5")}; shift 6
-is_int "$WARMUP_UPDATES" || die "WARMUP_UPDATES must be a whole number, got '$WARMUP_UPDATES'"
+whole WARMUP_UPDATES
 SCHEDULE_OPTS=()
 if [ "$SCHEDULER" = cosine ]; then
   # fairseq's cosine decays over max-update minus the warm-up: none left divides by zero; the period is
   # fixed here, so that --max-update passed on stops partway through this schedule instead of rescaling it
-  [ "$(( 10#$MAX_UPDATE ))" -gt "$(( 10#$WARMUP_UPDATES ))" ] || die "$TASK decays its learning rate over \
+  [ "$MAX_UPDATE" -gt "$WARMUP_UPDATES" ] || die "$TASK decays its learning rate over \
 MAX_UPDATE minus WARMUP_UPDATES updates: MAX_UPDATE ($MAX_UPDATE) must exceed WARMUP_UPDATES ($WARMUP_UPDATES)"
-  SCHEDULE_OPTS=(--lr-period-updates "$(( 10#$MAX_UPDATE - 10#$WARMUP_UPDATES ))")
+  SCHEDULE_OPTS=(--lr-period-updates "$(( MAX_UPDATE - WARMUP_UPDATES ))")
 fi
 VARIANT=${VARIANT:-s}
 case "$VARIANT" in lit|d|s) ;; *) die "VARIANT must be lit, d or s; got '$VARIANT'" ;; esac

@@ -19,8 +19,7 @@ case "$ARCH" in *_large) DEFAULT_LR=2e-4 ;; *) DEFAULT_LR=8e-4 ;; esac
 LR=${LR:-$DEFAULT_LR}
 END_LR=${END_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr * 0.02 }')}
 MAX_UPDATE=${MAX_UPDATE:-70000}
-is_int "$MAX_UPDATE" && [ "$(( 10#$MAX_UPDATE ))" -gt 0 ] || die "MAX_UPDATE must be a whole number above 0 (the \
-linear decay ends there), got '$MAX_UPDATE'"
+whole MAX_UPDATE 0 "the linear decay ends there"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(six_percent "$MAX_UPDATE")}
 PFLAGS=$(precision_flags "$@") || exit 2
 

@@ -17,7 +17,7 @@ need fairseq-train
 ARCH=${ARCH:-lion_s_transformer_iwslt_de_en}
 translation_arch "$ARCH"
 MAX_UPDATE=${MAX_UPDATE:-60000}
-is_int "$MAX_UPDATE" || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+whole MAX_UPDATE
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(warmup_share "$MAX_UPDATE" 4000 60000)}
 PFLAGS=$(precision_flags "$@") || exit 2
 
