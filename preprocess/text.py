@@ -105,21 +105,22 @@ def _write_splits(inputs: List[TextFileInfo], explicit: Dict[str, Optional[List[
               "test": (n_train + held["valid"], total)}
     stats = {s: {"lines": 0, "nonblank": 0} for s in SPLITS}
     outs = {s: open(work / f"{s}.raw", "w", encoding="utf-8", newline="\n") for s in SPLITS}
+
+    def put(split: str, text: str) -> None:
+        outs[split].write(text.replace(NEL, " ") + "\n")
+        stats[split]["lines"] += 1
+        stats[split]["nonblank"] += bool(text.strip())
+
     try:
         g = 0  # global line index over the concatenated input
         for info in inputs:
             for _, text in iter_lines(info.path):
-                split = "train" if g < n_train else ("valid" if g < bounds["test"][0] else "test")
-                outs[split].write(text.replace(NEL, " ") + "\n")
-                stats[split]["lines"] += 1
-                stats[split]["nonblank"] += bool(text.strip())
+                put("train" if g < n_train else ("valid" if g < bounds["test"][0] else "test"), text)
                 g += 1
         for split, infos in explicit.items():
             for info in infos or []:
                 for _, text in iter_lines(info.path):
-                    outs[split].write(text.replace(NEL, " ") + "\n")
-                    stats[split]["lines"] += 1
-                    stats[split]["nonblank"] += bool(text.strip())
+                    put(split, text)
     finally:
         for f in outs.values():
             f.close()
