@@ -601,22 +601,29 @@ def transformer(mt_data, tmp_path_factory):
     return save / "checkpoint_last.pt"
 
 
-@pytest.mark.parametrize("variant,cross", [("lit", "softmax"), ("s", "softmax"), ("d", "linear")])
-def test_transformer_tensors_copied_gates_by_rule(transformer, mt_data, variant, cross):
+@pytest.mark.parametrize("variant,cross,extra", [("lit", "softmax", ()), ("s", "softmax", ()), ("d", "linear", ()),
+                                                 ("lit", "linear", ("--lion-norm-after",))])
+def test_transformer_tensors_copied_gates_by_rule(transformer, mt_data, variant, cross, extra):
     """Every tensor of the teacher's loads as it is, the cross-attention's into fairseq's softmax attention
-    or into the linear one (same names and shapes); only the gates are new."""
+    or into the linear one (same names and shapes); only the gates (and ``--lion-norm-after``'s norms, as
+    initialised, the cross-attention's too) are new."""
     teacher = state_of(transformer)
     model = build_model(mt_data, "translation", "--arch", f"lion_{variant}_transformer_tiny", "--lion-cross-attention",
-                        cross)[1]
+                        cross, *extra)[1]
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(state_of(transformer), strict=True)
     mine = model.state_dict()
     assert all(torch.equal(mine[k], teacher[k]) for k in teacher)
     assert type(model.decoder.layers[0].encoder_attn).__name__ == {"softmax": "MultiheadAttention",
                                                                    "linear": "LinearCrossAttention"}[cross]
     new = sorted(set(mine) - set(teacher))
-    assert len(new) == {"lit": 0, "d": 4, "s": 8}[variant]
-    assert all(torch.equal(mine[k], torch.full((2,), GATE_LOGIT)) for k in new if k.endswith(("gate_logit", ".bias")))
-    assert all(torch.equal(mine[k], torch.zeros(2, 128)) for k in new if k.endswith("gate_proj.weight"))
+    norms = [k for k in new if ".head_norm." in k]
+    gates = [k for k in new if k not in norms]
+    assert len(gates) == {"lit": 0, "d": 4, "s": 8}[variant]
+    assert len(norms) == (2 * 6 if extra else 0)  # 4 self-attentions and 2 cross-attentions, weight and bias
+    assert all(torch.equal(mine[k], fresh[k]) for k in norms)
+    assert all(torch.equal(mine[k], torch.full((2,), GATE_LOGIT)) for k in gates if k.endswith(("gate_logit", ".bias")))
+    assert all(torch.equal(mine[k], torch.zeros(2, 128)) for k in gates if k.endswith("gate_proj.weight"))
 
 
 @pytest.mark.parametrize("extra,option", [(["--decoder-ffn-embed-dim", "128"], "--decoder-ffn-embed-dim"),

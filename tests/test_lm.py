@@ -382,6 +382,25 @@ def test_a_padded_decoding_step_leaves_the_state_unchanged(variant):
     assert not torch.allclose(skipped[0][:, 0], plain[1][:, 0])  # the check has teeth: token 3 matters
 
 
+@pytest.mark.parametrize("short_conv", [0, 3])
+def test_a_padding_mask_of_another_shape_is_refused(short_conv):
+    """A decoding step given the whole prefix's mask read its first column as the new token's and left later
+    tokens out of the state, saying nothing; a transposed mask met the convolution as a broadcasting error."""
+    from lion_fairseq.modules import LionAttention
+
+    attn = LionAttention(16, 2, "s", causal=True, short_conv=short_conv).eval()
+    x = torch.randn(6, 2, 16)
+    state = {}
+    with torch.no_grad():
+        attn(x[:5], incremental_state=state)
+        with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, T\) = \(2, 1\).*got \(2, 6\)"):
+            attn(x[5:], key_padding_mask=torch.zeros(2, 6, dtype=torch.bool), incremental_state=state)
+        with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, T\) = \(2, 6\).*got \(6, 2\)"):
+            attn(x, key_padding_mask=torch.zeros(6, 2, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"x must be \(T, B, C\).*got shape \(6, 16\)"):
+            attn(x[:, 0])
+
+
 @pytest.fixture(scope="module")
 def lit_trained(text_data_bin, tmp_path_factory):
     """A tiny LION-LIT LM (64 learned positions) trained for 2 updates."""

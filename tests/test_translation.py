@@ -144,6 +144,33 @@ def test_options_reach_the_layers_and_bad_ones_are_refused(mt_data):
             build(mt_data, "s", "softmax", *given)
 
 
+def test_norm_after_reaches_the_linear_cross_attention(mt_data):
+    """``--lion-norm-after`` normalises the linear cross-attention's heads too: with the released recipe's
+    unnormalised sums its output no longer grows with the source (past fp16's range on long ones)."""
+    _, model = build(mt_data, "s", "linear", "--lion-feature-map", "identity", "--no-lion-normalize",
+                     "--lion-norm-after")
+    cross = model.decoder.layers[0].encoder_attn
+    query = torch.randn(3, 2, 128)
+    memory = torch.randn(1000, 2, 128)
+
+    def growth():  # the output's size over a 1000-token source against a 10-token one
+        with torch.no_grad():
+            return (cross(query, memory, memory)[0].norm() / cross(query, memory[:10], memory[:10])[0].norm()).item()
+
+    assert growth() < 1.5
+    for layer in model.decoder.layers:  # the model as built before the norm reached the cross-attention
+        layer.encoder_attn.head_norm = None
+    assert growth() > 5  # the check has teeth: without the norm the sum grows with the source
+
+    # a checkpoint of such a model still loads, and runs as it was trained
+    task, again = build(mt_data, "s", "linear", "--lion-feature-map", "identity", "--no-lion-normalize",
+                        "--lion-norm-after")
+    again.load_state_dict(model.state_dict(), strict=True)
+    sample = batch(task)["net_input"]
+    with torch.no_grad():
+        torch.testing.assert_close(again(**sample)[0], model(**sample)[0])
+
+
 def test_transformers_final_norm_and_embedding_file_options(mt_data, tmp_path):
     """fairseq's transformer options --no-decoder-final-norm and --encoder-embed-path/--decoder-embed-path act
     as there: no LayerNorm after the last pre-norm decoder layer; each side's embeddings start from the file's

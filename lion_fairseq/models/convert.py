@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 GATE_LOGIT = 6.0
 
-# what only LION has: the parameters of its gates and levers
-LION_OWN = r"self_attn\.(gate_logit|gate_proj\.|head_norm\.|out_gate\.|conv_weight)"
+# what only LION has: the parameters of its gates, levers and norms after attention
+LION_OWN = r"self_attn\.(gate_logit|gate_proj\.|head_norm\.|out_gate\.|conv_weight)|encoder_attn\.head_norm\."
 
 # a teacher's tensors that no LION model can take, and why (checked before the layout's own reasons)
 UNREPRESENTABLE = (

@@ -76,6 +76,29 @@ def linear_input(x: Tensor, layer: nn.Linear) -> Tensor:
     return x if autocast else x.to(layer.weight.dtype)
 
 
+def checked_input(x: Tensor, key_padding_mask: Optional[Tensor], embed_dim: int) -> Optional[Tensor]:
+    """Check an attention module's input ``x`` ``(T, B, C)`` and its ``key_padding_mask`` ``(B, T)``, one
+    column per token of this call (also when decoding: not the whole prefix); returns the mask as bool."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be (T, B, C), fairseq's time-first layout; got shape {tuple(x.shape)}")
+    T, B, C = x.shape
+    if C != embed_dim:
+        raise ValueError(f"input has {C} channels; this attention was built for {embed_dim}")
+    if key_padding_mask is None:
+        return None
+    if key_padding_mask.shape != (B, T):
+        raise ValueError(f"key_padding_mask must be (B, T) = {(B, T)} for x of shape (T, B, C) = {(T, B, C)}, a "
+                         f"column per token of this call (one when decoding a token); got {tuple(key_padding_mask.shape)}")
+    return bool_padding_mask(key_padding_mask)
+
+
+def head_layer_norm(y: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """``--lion-norm-after``: ``norm`` over each head's output y ``(B, H, T, D)``, in float32 at least, as y
+    may be an unnormalised sum that only float32's range holds."""
+    dtype = torch.promote_types(y.dtype, torch.float32)
+    return F.layer_norm(y.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.bias.to(dtype), norm.eps)
+
+
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
     """``(T, B, H * D)`` -> ``(B, H, T, D)``, a view of fairseq's layout in the operator's."""
     T, B, C = x.shape
@@ -253,11 +276,7 @@ class LionAttention(nn.Module):
         ``z`` ``(B, H, D)``: a first call with T tokens prefills them in one pass, later calls advance the
         recurrence token by token.
         """
-        T, B, C = x.shape
-        if C != self.embed_dim:
-            raise ValueError(f"input has {C} channels; this LionAttention was built for {self.embed_dim}")
-        if key_padding_mask is not None:  # the convolution and decoding select with it too
-            key_padding_mask = bool_padding_mask(key_padding_mask)
+        key_padding_mask = checked_input(x, key_padding_mask, self.embed_dim)  # the convolution and decoding read it too
         q, k, v = self._qkv(x, key_padding_mask, incremental_state)
         if not self.normalize and v.dtype == torch.float16:
             v = v.float()  # an unnormalised sum over T keys can pass fp16's 65504: the output stays float32
@@ -282,9 +301,8 @@ class LionAttention(nn.Module):
     def _output(self, y: Tensor, x: Optional[Tensor] = None) -> Tensor:
         """Head outputs ``y`` ``(B, H, T, D)`` of the input ``x`` ``(T, B, C)`` -> ``(T, B, C)`` (``x`` is
         read by the output gate only)."""
-        if self.head_norm is not None:  # in float32: y may be an unnormalised sum, float32 to keep its range
-            norm = self.head_norm
-            y = F.layer_norm(y.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+        if self.head_norm is not None:
+            y = head_layer_norm(y, self.head_norm)
         B, H, T, D = y.shape
         y = linear_input(y.permute(2, 0, 1, 3).reshape(T, B, H * D), self.out_proj)
         if self.out_gate is not None:

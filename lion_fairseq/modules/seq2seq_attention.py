@@ -5,6 +5,7 @@
 - ``LinearCrossAttention``: non-causal linear attention of the target over the encoder output, whose
   ``(S, z)`` is computed once per source sentence, so a decoding step costs O(1) whatever the source and
   target lengths. Neither forms attention weights: both return None for them."""
+import logging
 from typing import Dict, Optional, Tuple
 
 import torch.nn as nn
@@ -13,8 +14,10 @@ from torch import Tensor
 
 from ..ops import memory_state, read_memory
 from .feature_maps import FEATURE_MAPS
-from .lion_attention import (DEFAULT_FEATURE_MAP, IncrementalState, LionAttention, check_lion_options, linear_input,
-                             split_heads)
+from .lion_attention import (DEFAULT_FEATURE_MAP, IncrementalState, LionAttention, check_lion_options, head_layer_norm,
+                             linear_input, split_heads)
+
+logger = logging.getLogger(__name__)
 
 
 class LionSelfAttention(LionAttention):
@@ -42,10 +45,14 @@ class LionSelfAttention(LionAttention):
 class LinearCrossAttention(nn.Module):
     """``y_i = phi(q_i) S / (phi(q_i) . z + eps)`` over the encoder output, ``S = sum_j phi(k_j) v_j^T``,
     ``z = sum_j phi(k_j)`` (padded source tokens left out), per head; ``(T, B, C)`` -> ``(T, B, C)``.
-    With ``incremental_state`` the source's ``(S, z)`` is computed at the first step and kept."""
+    With ``incremental_state`` the source's ``(S, z)`` is computed at the first step and kept.
+
+    It takes ``LionAttention``'s feature map, normalisation and LayerNorm after attention (``norm_after``);
+    the rest of its options (form, chunk size, gates, levers) shape a self-attention and are ignored."""
 
     def __init__(self, embed_dim: int, num_heads: int, kdim: Optional[int] = None, *, variant: str = "s",
-                 feature_map: Optional[str] = None, normalize: bool = True, eps: float = 1e-6, **unused):
+                 feature_map: Optional[str] = None, normalize: bool = True, norm_after: bool = False,
+                 eps: float = 1e-6, **self_attention_only):
         super().__init__()
         feature_map = feature_map or DEFAULT_FEATURE_MAP[variant]
         check_lion_options(variant, "chunk", 1, feature_map, normalize)
@@ -58,12 +65,22 @@ class LinearCrossAttention(nn.Module):
         self.k_proj = nn.Linear(kdim, embed_dim)
         self.v_proj = nn.Linear(kdim, embed_dim)
         self.out_proj = nn.Linear(embed_dim, embed_dim)
+        self.head_norm = nn.LayerNorm(self.head_dim) if norm_after else None
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight, gain=2 ** -0.5)
         nn.init.xavier_uniform_(self.out_proj.weight)
 
     def _heads(self, x: Tensor) -> Tensor:
         return split_heads(x, self.num_heads)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint from before --lion-norm-after reached this attention: it runs as it was trained
+        if self.head_norm is not None and prefix + "q_proj.weight" in state_dict \
+                and not any(k.startswith(prefix + "head_norm.") for k in state_dict):
+            logger.warning(f"{prefix}head_norm: not in the checkpoint, which was trained before --lion-norm-after "
+                           "applied to the linear cross-attention; this attention runs without it, as trained")
+            self.head_norm = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 incremental_state: Optional[IncrementalState] = None, static_kv: bool = True,
@@ -78,6 +95,8 @@ class LinearCrossAttention(nn.Module):
             if incremental_state is not None:
                 self.set_incremental_state(incremental_state, "memory", {"S": S, "z": z})
         y = read_memory(self.phi(self._heads(self.q_proj(query))), (S, z), normalize=self.normalize, eps=self.eps)
+        if self.head_norm is not None:
+            y = head_layer_norm(y, self.head_norm)
         B, H, T, D = y.shape
         y = y.permute(2, 0, 1, 3).reshape(T, B, H * D)
         return self.out_proj(linear_input(y, self.out_proj)), None

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..lra.ordering import inverse, ordering
 from ..ops import lion_attention
-from .lion_attention import LionAttention, float32_linear
+from .lion_attention import LionAttention, checked_input, float32_linear
 
 SCANS = ("row_snake", "col_snake")
 
@@ -63,12 +63,11 @@ class LionTwoScanAttention(LionAttention):
         ``(T, B, C)``."""
         if incremental_state is not None:
             raise ValueError("two-scan attention is bidirectional: it has no incremental decoding")
-        T, B, C = x.shape
+        key_padding_mask = checked_input(x, key_padding_mask, self.embed_dim)
+        T = x.shape[0]
         if T != self.height * self.width:
             raise ValueError(f"two-scan attention was built for a {self.height}x{self.width} grid "
                              f"({self.height * self.width} tokens); got {T} tokens")
-        if C != self.embed_dim:
-            raise ValueError(f"input has {C} channels; this attention was built for {self.embed_dim}")
         q = self.phi(self._heads(self.q_proj(x)))
         k, v = self._keys_values(x)
         v = v.to(torch.promote_types(v.dtype, torch.float32))  # sums of both halves in float32 at least
