@@ -16,7 +16,7 @@ def test_layers_have_softmax_layer_parameters_plus_gates(variant, extra):
 
 def test_layer_measure_runs_every_mode_and_respects_limits():
     r = layer_bench.measure("s", "recurrent", 48, threads=1, chunk_size=16, repeats=1, modes=["fwd", "fwdbwd"])
-    assert r["fwd"] > 0 and r["fwdbwd"] > 0 and r["peak_mib"] >= 0
+    assert r["fwd"] > 0 and r["fwdbwd"] > 0
     r = layer_bench.measure("s", "recurrent", layer_bench.LIMITS[("recurrent", "fwdbwd")] + 1, threads=1,
                             chunk_size=16, repeats=1, modes=["fwdbwd"])
     assert r["fwdbwd"] is None  # past the limit: not run

@@ -96,7 +96,8 @@ def test_mlm_trains_and_reloads(mlm, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_forms_and_padding_agree(mlm, variant):
     """One trained checkpoint, reloaded in each form (as --model-overrides does): the same features,
-    and a sentence's features are the same alone as inside a right-padded batch."""
+    and a sentence's features are the same alone as inside a right-padded batch. (Without gradients the
+    recurrent form encodes block by block, as inference runs it; test_attention_module runs its scans.)"""
     save, _ = mlm(variant)
     feats = {}
     for form in FORMS:

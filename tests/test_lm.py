@@ -298,18 +298,6 @@ def test_options_and_errors(text_data_bin):
         build(text_data_bin, "--arch", "lion_d_lm_tiny", "--lion-feature-map", "identity")
 
 
-def test_checkpoint_activations_trains_the_same_parameters(trained, text_data_bin, tmp_path):
-    """fairseq-train --checkpoint-activations (the layers recompute their forward in the backward, as
-    transformer_lm's do) ends where the run that keeps them ended, to the last bit, dropout included."""
-    ckpt, _ = trained
-    train(text_data_bin, tmp_path, UPDATES, "--checkpoint-activations")
-    recomputed = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["model"]
-    straight = torch.load(ckpt, weights_only=True)["model"]
-    assert recomputed.keys() == straight.keys()
-    for name in straight:
-        assert torch.equal(recomputed[name], straight[name]), name
-
-
 def test_resume_as_another_model_is_refused(lit_trained, text_data_bin, tmp_path):
     """Resuming a run with an option that the weights were trained as changed (the recipe rerun without the
     variable that set it, say) loads without a tensor changing shape: it stops, naming the change, and the

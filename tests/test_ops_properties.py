@@ -33,7 +33,7 @@ def problems(draw):
                 causal=draw(st.booleans()), normalize=draw(st.booleans()))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)  # the same problems on every run: CI reproducible
 @given(problems())
 def test_forms_agree_on_random_problems(p):
     ref = fast_reference_attention(p["q"], p["k"], p["v"], p["f"], p["b"], causal=p["causal"],

@@ -1,0 +1,111 @@
+"""``LionAttention`` against SPEC section 2 written out literally in float64: the gates lambda indexed by
+hand into the paper's mask (key inclusive to query exclusive), the feature maps, the normaliser,
+``--lion-norm-after``, the gate temperature and the output gate; values and the gradients of the input and
+of every parameter, in each form, each form seen to run. The operator's own tests compare its forms with a
+reference; these catch a layer that feeds it the wrong gates, options or form."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lion_fairseq.ops.attention as attention_op
+from lion_fairseq.modules.lion_attention import LionAttention
+
+C, H, T, B = 16, 2, 9, 2
+OPTIONS = {
+    "paper": {},
+    "released MLM ablation": dict(feature_map="identity", normalize=False, norm_after=True),
+    "levers": dict(gate_temperature=3.0, output_gate=True),
+}
+FEATURE_MAPS = {
+    "elu": lambda t: F.elu(t) + 1,
+    "silu_norm": lambda t: (F.silu(t) + 0.5) / (F.silu(t) + 0.5).norm(dim=-1, keepdim=True),
+    "identity": lambda t: t,
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def literal(m: LionAttention, x: torch.Tensor, mask: torch.Tensor, feature_map: str) -> torch.Tensor:
+    """SPEC section 2, one entry at a time. x ``(T, B, C)``, mask ``(B, T)`` True at padding."""
+    def heads(t):
+        return t.reshape(T, B, H, C // H).permute(1, 2, 0, 3)  # (B, H, T, D)
+
+    phi = FEATURE_MAPS[feature_map]
+    q, k, v = phi(heads(m.q_proj(x))), phi(heads(m.k_proj(x))), heads(m.v_proj(x))
+    tau = m.gate_temperature
+    if m.variant == "s":
+        lam = torch.sigmoid(m.gate_proj(x)).permute(1, 2, 0) ** (1 / tau)  # (B, H, T)
+    elif m.variant == "d":
+        lam = (torch.sigmoid(m.gate_logit) ** (1 / tau))[None, :, None].expand(B, H, T)
+    else:
+        lam = torch.ones(B, H, T, dtype=x.dtype)
+    rows = []
+    for i in range(T):
+        row = []
+        for j in range(T):
+            if i > j:  # lambda_j ... lambda_{i-1}
+                row.append(lam[..., j:i].prod(-1))
+            elif i < j:  # lambda_{i+1} ... lambda_j, nothing where causal
+                row.append(lam[..., i + 1:j + 1].prod(-1) * (0.0 if m.causal else 1.0))
+            else:
+                row.append(torch.ones(B, H, dtype=x.dtype))
+        rows.append(torch.stack(row, -1))
+    A = (q @ k.transpose(-1, -2)) * torch.stack(rows, -2)
+    A = A.masked_fill(mask[:, None, None, :], 0.0)
+    y = A @ v
+    if m.normalize:
+        y = y / (A.sum(-1, keepdim=True) + m.eps)
+    if m.head_norm is not None:
+        y = F.layer_norm(y, (C // H,), m.head_norm.weight, m.head_norm.bias, m.head_norm.eps)
+    y = y.permute(2, 0, 1, 3).reshape(T, B, C)
+    if m.out_gate is not None:
+        y = y * F.silu(m.out_gate(x))
+    return m.out_proj(y)
+
+
+@pytest.fixture
+def forms_run(monkeypatch):
+    """The forms of the operator that ran, in order: a layer that ignored its form would still agree."""
+    ran = []
+    for form, name in (("parallel", "parallel_attention"), ("chunk", "chunk_attention"),
+                       ("recurrent", "recurrent_attention")):
+        def spy(*args, _original=getattr(attention_op, name), _form=form, **kwargs):
+            ran.append(_form)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(attention_op, name, spy)
+    return ran
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+def test_module_equals_the_papers_definition_with_gradients(variant, causal, options, forms_run):
+    kwargs = dict(OPTIONS[options])
+    if variant == "lit":
+        kwargs.pop("gate_temperature", None)  # LIT has no gates to soften
+    torch.manual_seed(0)
+    m = LionAttention(C, H, variant, chunk_size=4, causal=causal, **kwargs).double()
+    with torch.no_grad():  # away from the initial values, which hide mistakes (zero biases, an even gate)
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    feature_map = kwargs.get("feature_map", {"lit": "elu"}.get(variant, "silu_norm"))
+    x = torch.randn(T, B, C, dtype=torch.double, requires_grad=True)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[1, 6:] = True  # the second sequence right-padded
+    w = torch.randn(T, B, C, dtype=torch.double)
+    w[6:, 1] = 0  # what a padded row outputs is not read
+
+    def values_and_grads(run):
+        params = [x, *m.parameters()]
+        y = run()
+        return [y * (w != 0)] + list(torch.autograd.grad((y * w).sum(), params))
+
+    expected = values_and_grads(lambda: literal(m, x, mask, feature_map))
+    for form in ("parallel", "chunk", "recurrent"):
+        m.form = form
+        forms_run.clear()
+        got = values_and_grads(lambda: m(x, key_padding_mask=mask))
+        assert forms_run == [form]
+        for name, a, b in zip(["values", "x", *(n for n, _ in m.named_parameters())], got, expected):
+            # the gates are float32 (SPEC section 2): that rounding, no more
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda e: f"{form} form, {name}: {e}")
