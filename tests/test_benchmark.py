@@ -141,3 +141,35 @@ def test_long_document_scaling_table_compares_each_dtype_with_roberta_in_the_sam
     assert rows[("lion_s chunk", "fp32")] == ["1024", "512.0", "2.00x", "4.00x", "3.00x"]
     assert rows[("lion_s chunk", "bf16")] == ["2048", "1024", "2.00x", "2.00x", "-"]
     assert rows[("roberta_base", "bf16")] == ["1024", "-", "-", "1.00x", "-"]
+
+
+def test_targets_tell_a_miss_from_what_was_not_measured():
+    """A run at other lengths (--small, --lengths) measured no L = 8192 or 16384: those targets read 'not
+    measured', not 'no'; one that was measured reads 'yes' or 'no' against its bound."""
+    from lion_fairseq.benchmark.__main__ import configs, targets
+
+    results = {name: {} for name, _, _ in configs()}
+    results["softmax"][16384] = {"fwdbwd": 12.0, "peak_mib": 100.0}
+    results["lion_s chunk"][16384] = {"fwdbwd": 3.0, "peak_mib": 30.0}
+    results["lion_d chunk"][16384] = {"fwdbwd": 6.0}
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:] for line in targets(results, {}, None, None)[2:]}
+    assert rows["lion_s chunk layer fwd+bwd at L=16384 at least 3.0x faster than softmax"] == ["4.00x", "yes"]
+    assert rows["lion_d chunk layer fwd+bwd at L=16384 at least 3.0x faster than softmax"] == ["2.00x", "no"]
+    assert rows["lion_s chunk layer fwd+bwd at L=8192 at least 1.6x faster than softmax"] == ["-x", "not measured"]
+    assert rows["lion_s chunk layer inference peak memory at L=16384 at most 25% of softmax's"] == ["30.0%", "no"]
+    assert rows["lion_d recurrent layer inference peak memory at L=16384 at most 25% of softmax's"][1] == "not measured"
+    assert [v for k, v in rows.items() if "decode" in k] == [["-x", "not measured"]]
+
+
+@pytest.mark.parametrize("module,argv,option", [("__main__", ["--threads", "0"], "--threads"),
+                                                ("operator", ["--lengths", "256", "-1"], "--lengths"),
+                                                ("quality", ["lm", "--updates", "0"], "--updates"),
+                                                ("quality", ["foo"], "foo"),
+                                                ("uptrain", ["--updates", "5"], "--updates")])
+def test_a_bad_option_is_a_usage_error_naming_it(module, argv, option, capsys):
+    import importlib
+
+    main = importlib.import_module(f"lion_fairseq.benchmark.{module}").main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and option in capsys.readouterr().err

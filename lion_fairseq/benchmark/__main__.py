@@ -14,7 +14,7 @@
 7. the defaults these numbers choose for ``--lion-form`` and ``--lion-chunk-size``.
 
     python -m lion_fairseq.benchmark              # everything: about 20 minutes on 2 cores
-    python -m lion_fairseq.benchmark --small      # L up to 1024, a couple of minutes
+    python -m lion_fairseq.benchmark --small      # L up to 1024, no decoding: a couple of minutes
 
 Each (layer, form, L) runs in a fresh process so that the memory it reports is its own. Writes
 ``benchmark.md``, ``benchmark.json`` and ``benchmark.png`` (time and memory against L, log-log, a row of
@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import operator as op
-from .operator import fmt, speedup, threads_name
 from .layer import LIMITS
+from .operator import fmt, speedup, threads_name
+from .options import positive_int
 from .plotting import against_length, pyplot
 
 FORMS = ("chunk", "parallel", "recurrent")
@@ -78,7 +79,12 @@ def layer_tables(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str
 
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
-    return num / den if num and den else None
+    """``num / den``, None where either was not measured (or den is 0)."""
+    return num / den if num is not None and den else None
+
+
+def met(got: Optional[float], ok: bool) -> str:
+    return "not measured" if got is None else "yes" if ok else "no"
 
 
 def targets(results: Dict[str, Dict[int, Dict]], flops: Dict[int, Dict], peak_gflops: Optional[float],
@@ -89,18 +95,16 @@ def targets(results: Dict[str, Dict[int, Dict]], flops: Dict[int, Dict], peak_gf
         for name in ("lion_lit chunk", "lion_d chunk", "lion_s chunk"):
             got = ratio(soft.get(L, {}).get("fwdbwd"), results[name].get(L, {}).get("fwdbwd"))
             lines.append(f"| {name} layer fwd+bwd at L={L} at least {want}x faster than softmax | "
-                         f"{fmt(got, 2)}x | {'yes' if got and got >= want else 'no'} |")
+                         f"{fmt(got, 2)}x | {met(got, got is not None and got >= want)} |")
     for name in ("lion_lit recurrent", "lion_d recurrent", "lion_s recurrent", "lion_s chunk"):
         got = ratio(results[name].get(16384, {}).get("peak_mib"), soft.get(16384, {}).get("peak_mib"))
         lines.append(f"| {name} layer inference peak memory at L=16384 at most 25% of softmax's | "
-                     f"{fmt(100 * got if got else None, 0)}% | {'yes' if got and got <= 0.25 else 'no'} |")
-    if decode:
-        lion = decode["decode"]["lion"]
-        first, last = str(DECODE_LENGTHS[0]), str(DECODE_LENGTHS[-1])
-        if first in lion and last in lion:
-            got = lion[last]["per_token_s"] / lion[first]["per_token_s"]
-            lines.append(f"| lion_s_lm decode time per token at context {last} within 10% of context {first} | "
-                         f"{got:.3f}x | {'yes' if got <= 1.10 else 'no'} |")
+                     f"{fmt(100 * got if got is not None else None, 0)}% | {met(got, got is not None and got <= 0.25)} |")
+    lion = (decode or {}).get("decode", {}).get("lion", {})
+    first, last = str(DECODE_LENGTHS[0]), str(DECODE_LENGTHS[-1])
+    got = ratio(lion[last]["per_token_s"], lion[first]["per_token_s"]) if first in lion and last in lion else None
+    lines.append(f"| lion_s_lm decode time per token at context {last} within 10% of context {first} | "
+                 f"{fmt(got)}x | {met(got, got is not None and got <= 1.10)} |")
     for L, r in sorted(flops.items()):
         if L >= 4096 and r.get("gflops_fwdbwd") and peak_gflops:
             share = r["gflops_fwdbwd"] / peak_gflops
@@ -114,9 +118,8 @@ def choose_form(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> List
     lines = []
     for L in lengths:
         per = {f: results[f"lion_s {f}"].get(L, {}) for f in FORMS}
-        train = min((f for f in FORMS if per[f].get("fwdbwd")), key=lambda f: per[f]["fwdbwd"], default=None)
-        fast = min((f for f in FORMS if per[f].get("fwd")), key=lambda f: per[f]["fwd"], default=None)
-        small = min((f for f in FORMS if per[f].get("peak_mib")), key=lambda f: per[f]["peak_mib"], default=None)
+        train, fast, small = (min((f for f in FORMS if per[f].get(key) is not None), key=lambda f: per[f][key],
+                                  default="-") for key in ("fwdbwd", "fwd", "peak_mib"))
         lines.append(f"| {L} | {train} | {fast} | {small} |")
     return ["| L | fastest training (fwd+bwd) | fastest inference | least inference memory |",
             "|---:|---|---|---|"] + lines
@@ -158,26 +161,34 @@ def plot(results: Dict[str, Dict[int, Dict]], path: Path) -> bool:
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    p.add_argument("--repeats", type=int, default=2, help="timings are the best of this many runs")
-    p.add_argument("--scaling-threads", type=int, nargs="*", default=[1],
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
+                   help=f"the layers' lengths (default {' '.join(map(str, LENGTHS))}; --small: up to 1024)")
+    p.add_argument("--decode-lengths", type=positive_int, nargs="*", default=None,
+                   help=f"decoding's context lengths (default {' '.join(map(str, DECODE_LENGTHS))}; --small or "
+                        "none given: no decoding)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timings are the best of this many runs")
+    p.add_argument("--scaling-threads", type=positive_int, nargs="*", default=[1],
                    help="also time softmax and the LION chunk layers at L = 8192 and 16384, and decoding, "
                         "with these thread counts (none: no scaling run)")
-    p.add_argument("--small", action="store_true", help="L up to 1024, no decode: a couple of minutes")
+    p.add_argument("--small", action="store_true",
+                   help="L up to 1024, no decode: a couple of minutes (options given still apply)")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = p.parse_args(argv)
-    flop_lengths, decode_lengths, sizes = FLOP_LENGTHS, DECODE_LENGTHS, CHUNK_SIZES
-    if args.small:
-        args.lengths, flop_lengths, decode_lengths = [128, 256, 512, 1024], [1024], []
+    flop_lengths, sizes = ([1024] if args.small else FLOP_LENGTHS), CHUNK_SIZES
+    if args.lengths is None:
+        args.lengths = [128, 256, 512, 1024] if args.small else LENGTHS
+    decode_lengths = args.decode_lengths if args.decode_lengths is not None else [] if args.small else DECODE_LENGTHS
     scaling_lengths = [L for L in SCALING_LENGTHS if L in args.lengths] or args.lengths[-1:]
     scaling_threads = [t for t in dict.fromkeys(args.scaling_threads) if t != args.threads]
     args.out.mkdir(parents=True, exist_ok=True)
     say = lambda s: print(s, flush=True)  # noqa: E731
 
     ns = argparse.Namespace(batch=1, heads=12, dim=64, threads=args.threads, repeats=2, chunk_size=64)
-    peak = op.run_child(ns, "matmul", 0).get("gflops")
-    say(f"float32 matmul, {args.threads} threads: {fmt(peak, 1)} GFLOP/s")
+    matmul = op.run_child(ns, "matmul", 0)
+    peak = matmul.get("gflops")
+    say(f"float32 matmul, {args.threads} threads: " + (f"error: {matmul['error']}" if "error" in matmul else
+                                                        f"{fmt(peak, 1)} GFLOP/s"))
 
     sweep_L = 4096 if not args.small else 1024
     sweep = {}
@@ -185,7 +196,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     for C in sizes:
         ns.chunk_size = C
         sweep[C] = op.run_child(ns, "chunk", sweep_L)
-        say(f"chunk operator, L={sweep_L}, chunk {C}: fwd+bwd {fmt(sweep[C].get('fwdbwd'))} s")
+        say(f"chunk operator, L={sweep_L}, chunk {C}: " + (f"error: {sweep[C]['error']}" if "error" in sweep[C] else
+                                                            f"fwd+bwd {fmt(sweep[C].get('fwdbwd'))} s"))
+    if not any(r.get("fwdbwd") for r in sweep.values()):
+        sys.exit("the chunk operator ran at no chunk size (errors above): nothing to benchmark with")
     # the smallest size within 5% of the fastest: timings closer than that are noise here, and a smaller
     # chunk does fewer multiply-adds and holds less
     fastest = min(r["fwdbwd"] for r in sweep.values() if r.get("fwdbwd"))

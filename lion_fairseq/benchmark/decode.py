@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .operator import threads_name
+from .options import positive_int
 
 VOCAB = 32000  # a typical subword vocabulary: the output projection costs the same for both models
 
@@ -63,6 +64,11 @@ def fill_transformer_cache(model: nn.Module, state: Dict, batch: int, L: int) ->
                                        "prev_key_padding_mask": None})
 
 
+def timed_steps(times: List[float]) -> List[float]:
+    """The steps whose times count: all but the first (which may allocate), where more than two ran."""
+    return times[1:] if len(times) > 2 else times
+
+
 def time_decoding(model: nn.Module, kind: str, L: int, steps: int, vocab: int) -> Dict[str, float]:
     """Seconds per generated token (fastest and median step) after a context of L tokens, the state size
     and, for LION, the one-call prefill time."""
@@ -85,7 +91,7 @@ def time_decoding(model: nn.Module, kind: str, L: int, steps: int, vocab: int) -
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - t)
             tokens = torch.cat([tokens, nxt], 1)
-    times = times[1:] if len(times) > 2 else times  # the first step may allocate
+    times = timed_steps(times)
     out["per_token_s"], out["median_per_token_s"] = min(times), statistics.median(times)
     out["state_mib"] = sum(t.numel() * t.element_size() for d in state.values() for t in d.values()
                            if isinstance(t, torch.Tensor)) / 2 ** 20
@@ -117,17 +123,23 @@ def fmt(x: Optional[float], scale: float = 1.0, digits: int = 1) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024, 4096, 16384])
-    p.add_argument("--steps", type=int, default=32, help="generated tokens timed per context length")
-    p.add_argument("--score-blocks", type=int, nargs="+", default=[512, 2048],
-                   help="--tokens-per-sample of the scoring runs")
-    p.add_argument("--score-tokens", type=int, default=4096, help="tokens per scoring batch")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--small", action="store_true", help="contexts 64..1024, one scoring block")
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
+                   help="context lengths (default 64 256 1024 4096 16384; --small: 64 256 1024)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="generated tokens per context length, the first not counted where more than two (default "
+                        "32; --small: 8)")
+    p.add_argument("--score-blocks", type=positive_int, nargs="+", default=None,
+                   help="--tokens-per-sample of the scoring runs (default 512 2048; --small: 512)")
+    p.add_argument("--score-tokens", type=positive_int, default=4096, help="tokens per scoring batch")
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--small", action="store_true",
+                   help="contexts 64..1024, one scoring block (options given still apply)")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/decode"))
     args = p.parse_args(argv)
-    if args.small:
-        args.lengths, args.score_blocks, args.steps = [64, 256, 1024], [512], 8
+    for key, full, small in (("lengths", [64, 256, 1024, 4096, 16384], [64, 256, 1024]), ("steps", 32, 8),
+                             ("score_blocks", [512, 2048], [512])):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.small else full)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -156,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     first = args.lengths[0]
     lines = [
         f"Decoding one token after L tokens of context, batch 1, float32, {threads_name(args.threads)}, "
-        f"fastest of {args.steps} steps; lion_s_lm ({params['lion'] / 1e6:.1f} M parameters) vs "
+        f"fastest of {len(timed_steps([0.0] * args.steps))} steps; lion_s_lm ({params['lion'] / 1e6:.1f} M parameters) vs "
         f"transformer_lm ({params['transformer'] / 1e6:.1f} M), vocabulary {VOCAB}.",
         "",
         "| L | lion_s_lm ms/token | lion state MiB | lion prefill s | transformer_lm ms/token | "

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .operator import speedup, threads_name
+from .options import positive_int
 from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
@@ -201,27 +202,38 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS))
-    p.add_argument("--train-lengths", type=int, nargs="+", default=[128, 512, 2048])
-    p.add_argument("--infer-lengths", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--tokens", type=int, default=2048, help="tokens a training step (batch = tokens / L)")
-    p.add_argument("--vocab", type=int, default=ROBERTA_VOCAB)
+    p.add_argument("--train-lengths", type=positive_int, nargs="+", default=None,
+                   help="default 128 512 2048 (--small: 128 512)")
+    p.add_argument("--infer-lengths", type=positive_int, nargs="+", default=None,
+                   help="default 4096 16384 (--small: 1024)")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens a training step (batch = tokens / L)")
+    p.add_argument("--vocab", type=positive_int, default=None, help=f"default {ROBERTA_VOCAB} (--small: 1000)")
     p.add_argument("--lion-form", default="chunk", choices=("parallel", "chunk", "recurrent"))
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=2, help="timed training steps after one warm-up; best is kept")
+    p.add_argument("--chunk-size", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed training steps after one warm-up; best is kept (default 2; --small: 1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the CUDA allocator's)")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement before it is given up")
-    p.add_argument("--small", action="store_true", help="the _tiny archs, L 128/512 and 1024: about a minute")
+    p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per measurement before it is given up")
+    p.add_argument("--small", action="store_true",
+                   help="the _tiny archs (no roberta_base), L 128/512 and 1024: about a minute (options given still "
+                        "apply)")
     p.add_argument("--long", action="store_true", help="long-document encoding (see above) instead")
-    p.add_argument("--long-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    p.add_argument("--softmax-max", type=int, default=16384, help="--long: the longest L roberta_base runs at")
-    p.add_argument("--scaling-threads", type=int, nargs="*", default=[1],
+    p.add_argument("--long-lengths", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--softmax-max", type=positive_int, default=16384, help="--long: the longest L roberta_base runs at")
+    p.add_argument("--scaling-threads", type=positive_int, nargs="*", default=[1],
                    help="--long: also run the chunk form and roberta_base with these thread counts (none: no "
                         "scaling run)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/encoder"))
     p.add_argument("--child", nargs=4, metavar=("ARCH", "MODE", "L", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.long and args.small:  # long_document takes neither: it would start the whole run
+        p.error("--small does not shorten --long: pass --long-lengths (and --softmax-max) instead")
+    for key, full, small in (("train_lengths", [128, 512, 2048], [128, 512]), ("infer_lengths", [4096, 16384], [1024]),
+                             ("steps", 2, 1), ("vocab", ROBERTA_VOCAB, 1000)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.small else full)
     if args.child:
         arch, mode, L, batch = args.child
         r = measure(arch, mode, int(L), int(batch), args.vocab, args.threads, args.lion_form, args.chunk_size,
@@ -231,11 +243,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.long:
         long_document(args)
         return
-    if args.small:
-        args.models = ["roberta_base" if m == "roberta_base" else m + "_tiny" for m in args.models]
-        args.train_lengths, args.infer_lengths, args.steps, args.vocab = [128, 512], [1024], 1, 1000
-    if args.small and "roberta_base" in args.models:
-        args.models = [m for m in args.models if m != "roberta_base"]
+    if args.small:  # roberta_base has no tiny size beside the LION archs'
+        args.models = [m + "_tiny" for m in args.models if m != "roberta_base"]
     print(f"LION encoders vs roberta_base: {args.threads} threads on {args.device}, vocab {args.vocab}, "
           f"LION form {args.lion_form} (chunk {args.chunk_size})", flush=True)
     train: Dict[str, Dict[int, Dict]] = {a: {} for a in args.models}

@@ -6,7 +6,7 @@ memory of inference, against sequence length.
     python -m lion_fairseq.benchmark.operator --small         # a one-minute run
 
 Each (implementation, L) runs in a fresh process, so that the peak resident memory it reports (the
-rise of ``ru_maxrss`` over the inputs) is its own. Writes a Markdown table, a JSON file and a log-log
+rise of the process's peak resident set over the inputs) is its own. Writes a Markdown table, a JSON file and a log-log
 plot into ``--out``.
 
 For the chunk form it also measures its ceiling: the batched matmuls it runs (recorded from one
@@ -23,11 +23,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .options import positive_int
 from .plotting import against_length, pyplot
-from .rss import maxrss_mib
+from .rss import maxrss_mib, reset_peak
 
 # ``*_bf16``: inference (forward only) with bfloat16 inputs, the chunk form with matmul_dtype=bfloat16
 IMPLS = ("sdpa", "parallel", "chunk", "recurrent", "sdpa_bf16", "chunk_bf16")
+# what the scaling runs time at their thread counts: every speed-up the tables quote
+SCALING_IMPLS = ("sdpa", "chunk", "sdpa_bf16", "chunk_bf16")
 # beyond these lengths a run would not fit this machine's memory (the L x L forms) or take minutes
 # (autograd through the recurrent form's token loop stores a D x D state per token)
 LIMITS = {("parallel", "fwd"): 8192, ("parallel", "fwdbwd"): 4096, ("recurrent", "fwdbwd"): 2048,
@@ -147,6 +150,7 @@ def measure(impl: str, L: int, batch: int, heads: int, dim: int, threads: int, c
     out: Dict[str, Optional[float]] = {}
     with torch.no_grad():  # one-time set-up of the libraries (thread pools, kernels) is not the form's memory
         run([x[..., :16, :] if x.dim() == 4 else x[..., :16] for x in inputs])
+    reset_peak()  # the bfloat16 inputs' float32 originals were freed: their pages are not the form's
     base = maxrss_mib()
     with torch.no_grad():
         run(inputs)
@@ -255,35 +259,40 @@ def ceiling_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[
     return "\n".join(lines)
 
 
-def bf16_table(results: Dict[str, Dict[int, Dict]], lengths: List[int]) -> str:
-    """Inference (forward) in bfloat16 against float32, the chunk form against softmax."""
-    lines = ["| L | chunk fp32 s | chunk bf16 s (best-worst) | bf16 speed-up | softmax fp32 s | softmax bf16 s | "
-             "chunk bf16 vs softmax bf16 |", "|---:|---:|---:|---:|---:|---:|---:|"]
+def bf16_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int]) -> str:
+    """Inference (forward) in bfloat16 against float32, the chunk form against softmax, at each thread count."""
+    lines = ["| L | threads | chunk fp32 s | chunk bf16 s (best-worst) | bf16 speed-up | softmax fp32 s | "
+             "softmax bf16 s | chunk bf16 vs softmax bf16 |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for L in lengths:
-        c32, c16 = results["chunk"].get(L, {}).get("fwd"), results["chunk_bf16"].get(L, {})
-        s32, s16 = results["sdpa"].get(L, {}).get("fwd"), results["sdpa_bf16"].get(L, {}).get("fwd")
-        if not c16.get("fwd"):
-            continue
-        up = f"{c32 / c16['fwd']:.2f}x" if c32 else "-"
-        vs = f"{s16 / c16['fwd']:.1f}x" if s16 else "-"
-        lines.append(f"| {L} | {fmt(c32)} | {fmt(c16['fwd'])}-{fmt(c16['fwd_worst'])} | {up} | {fmt(s32)} | "
-                     f"{fmt(s16)} | {vs} |")
+        for threads, res in scaling.items():
+            get = lambda impl: res.get(impl, {}).get(L, {})  # noqa: E731
+            c32, c16, s32, s16 = get("chunk").get("fwd"), get("chunk_bf16"), get("sdpa").get("fwd"), get("sdpa_bf16").get("fwd")
+            if not c16.get("fwd"):
+                continue
+            up = f"{c32 / c16['fwd']:.2f}x" if c32 else "-"
+            vs = f"{s16 / c16['fwd']:.1f}x" if s16 else "-"
+            lines.append(f"| {L} | {threads} | {fmt(c32)} | {fmt(c16['fwd'])}-{fmt(c16['fwd_worst'])} | {up} | "
+                         f"{fmt(s32)} | {fmt(s16)} | {vs} |")
     return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 16384])
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
+                   help="default 256 1024 2048 4096 16384 (--small: 256 512 1024 2048)")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2, help="threads of the main table")
-    p.add_argument("--scaling-threads", type=int, nargs="*", default=[1],
-                   help="also time the chunk form and softmax with these thread counts")
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timings are the best of this many runs")
-    p.add_argument("--small", action="store_true", help="L = 256..2048, one repeat: about a minute")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=12)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, default=2, help="threads of the main table")
+    p.add_argument("--scaling-threads", type=positive_int, nargs="*", default=None,
+                   help="also time the chunk form and softmax, float32 and bfloat16, with these thread counts "
+                        "(default 1; --small: none)")
+    p.add_argument("--chunk-size", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timings are the best of this many runs (default 3; --small: 1)")
+    p.add_argument("--small", action="store_true",
+                   help="L = 256..2048, one repeat, no scaling run: about a minute (options given still apply)")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/operator"))
     p.add_argument("--child", nargs=2, metavar=("IMPL", "L"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -295,8 +304,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                     args.chunk_size, args.repeats, ["fwd", "fwdbwd"])
         print(json.dumps(r))
         return
-    if args.small:
-        args.lengths, args.repeats, args.scaling_threads = [256, 512, 1024, 2048], 1, []
+    if args.lengths is None:
+        args.lengths = [256, 512, 1024, 2048] if args.small else [256, 1024, 2048, 4096, 16384]
+    if args.repeats is None:
+        args.repeats = 1 if args.small else 3
+    if args.scaling_threads is None:
+        args.scaling_threads = [] if args.small else [1]
     print(f"LION operator vs softmax attention: B={args.batch} H={args.heads} D={args.dim}, "
           f"{args.threads} threads, chunk {args.chunk_size}, best of {args.repeats}", flush=True)
     peaks = {t: run_child(argparse.Namespace(**dict(vars(args), threads=t)), "matmul", 0).get("gflops")
@@ -307,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     scaling: Dict[int, Dict[str, Dict[int, Dict]]] = {args.threads: results}
     for threads in dict.fromkeys([args.threads] + args.scaling_threads):  # a thread count given twice runs once
         ns = argparse.Namespace(**dict(vars(args), threads=threads))
-        impls = args.impls if threads == args.threads else [i for i in ("sdpa", "chunk") if i in args.impls]
+        impls = args.impls if threads == args.threads else [i for i in SCALING_IMPLS if i in args.impls]
         res = scaling.setdefault(threads, {impl: {} for impl in impls})
         for L in args.lengths:
             for impl in impls:
@@ -322,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         md += "\n\nchunk form against softmax and against its own matmuls alone:\n\n" + ceiling_table(scaling, args.lengths)
     if all(i in results for i in ("chunk", "chunk_bf16", "sdpa", "sdpa_bf16")):
         md += ("\n\ninference in bfloat16 (inputs bf16; the chunk form's matmuls bf16, its states and normalisers "
-               "float32):\n\n" + bf16_table(results, args.lengths))
+               "float32):\n\n" + bf16_table(scaling, args.lengths))
     (args.out / "table.md").write_text(md + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "matmul_gflops": peaks, "results": results,

@@ -44,6 +44,7 @@ from ..demo.commands import console, python_module, run, shown
 from ..demo.corpus import write_pydoc_corpus
 from ..demo.train import json_record
 from ..user_dir import path as user_dir_path
+from .options import positive_int
 from .plotting import pyplot
 
 TOKENS = 128  # training length; eval-lm also runs at LONG = 4 x this
@@ -181,7 +182,7 @@ def recall_accuracy(data: Path, checkpoint: Path) -> float:
     model = models[0].eval()
     d = task.source_dictionary
     right = total = 0
-    lines = (Path(str(data).replace("data_", "text_")) / "test.txt").read_text().split("\n")
+    lines = (data.parent / data.name.replace("data_", "text_", 1) / "test.txt").read_text().split("\n")
     with torch.no_grad():
         for line in filter(None, lines):
             ids = d.encode_line(line, add_if_not_exist=False, append_eos=False).long()
@@ -311,13 +312,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="comparisons to run: lm, mlm, recall (default: lm)")
     parser.add_argument("--out", default="outputs/benchmark/quality")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--updates", type=int, default=None, help="updates per model (default: lm and mlm "
+    parser.add_argument("--updates", type=positive_int, default=None, help="updates per model (default: lm and mlm "
                         f"{SCHEDULE['lm'][0]}, recall {SCHEDULE['recall'][0]})")
     parser.add_argument("--lr", type=float, default=None, help="Adam's peak learning rate (default: per comparison)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: per comparison)")
-    parser.add_argument("--pairs", type=int, default=4, help="recall: key-value pairs a line")
-    parser.add_argument("--lines", type=int, default=20000, help="recall: training lines")
-    parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these of the standard models")
+    parser.add_argument("--pairs", type=positive_int, default=4, help="recall: key-value pairs a line")
+    parser.add_argument("--lines", type=positive_int, default=20000, help="recall: training lines")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these of the standard models (none: only the --add ones)")
     parser.add_argument("--add", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
                         help='one more model: a name and its fairseq-train options, e.g. conv "--arch '
                              'lion_s_lm_tiny --lion-short-conv 4"')
@@ -325,9 +326,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     whats = args.what or ["lm"]
     for what in whats:
         if what not in MODELS:
-            raise ValueError(f"unknown comparison {what!r}: choose from {list(MODELS)}")
-    if len(args.seeds) < 1 or (args.updates is not None and args.updates < 1):
-        raise ValueError("--seeds needs at least one seed and --updates must be >= 1")
+            parser.error(f"unknown comparison {what!r}: choose from {', '.join(MODELS)}")
+    standard = {m[0] for what in whats for m in MODELS[what]}
+    unknown = set(args.only or ()) - standard - {"none"}
+    if unknown:
+        parser.error(f"--only {' '.join(sorted(unknown))}: not a standard model of {', '.join(whats)} (they are "
+                     f"{', '.join(sorted(standard))}; none: only the --add ones)")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be > 0; got {args.lr}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be >= 0; got {args.warmup}")
     os.environ["OMP_NUM_THREADS"] = "1"  # each fairseq-train on one thread, two at a time
     out = Path(args.out)
     texts = []
@@ -335,9 +343,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         models = [m for m in MODELS[what] if args.only is None or m[0] in args.only]
         models += [(name, shlex.split(flags)) for name, flags in args.add]
         if not models:
-            raise ValueError(f"--only {args.only}: none of {[m[0] for m in MODELS[what]]}, and no --add")
+            parser.error(f"--only {' '.join(args.only)}: none of {what}'s models ({', '.join(m[0] for m in MODELS[what])}), "
+                         "and no --add")
         updates, lr, warmup = SCHEDULE[what]
-        texts.append(compare(what, out, models, args.seeds, args.updates or updates, args.lr or lr,
+        texts.append(compare(what, out, models, args.seeds, args.updates or updates,
+                             args.lr if args.lr is not None else lr,
                              args.warmup if args.warmup is not None else warmup, args.pairs, args.lines))
         print("\n" + texts[-1], flush=True)
 

@@ -347,7 +347,7 @@ def arguments(module: str, doc: str, updates: int, argv: Optional[List[str]]) ->
     parser.add_argument("--updates", type=int, default=updates, help="the teacher's updates, N (uptraining: N/10)")
     args = parser.parse_args(argv)
     if args.updates < 20:
-        raise ValueError("--updates must be at least 20 (uptraining takes a tenth of it)")
+        parser.error(f"--updates must be at least 20 (uptraining takes a tenth of it); got {args.updates}")
     os.environ["OMP_NUM_THREADS"] = "1"  # each fairseq command on one thread, two seeds at a time
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
