@@ -98,8 +98,9 @@ def targets(results: Dict[str, Dict[int, Dict]], flops: Dict[int, Dict], peak_gf
                          f"{fmt(got, 2)}x | {met(got, got is not None and got >= want)} |")
     for name in ("lion_lit recurrent", "lion_d recurrent", "lion_s recurrent", "lion_s chunk"):
         got = ratio(results[name].get(16384, {}).get("peak_mib"), soft.get(16384, {}).get("peak_mib"))
+        share = 100 * got if got is not None else None
         lines.append(f"| {name} layer inference peak memory at L=16384 at most 25% of softmax's | "
-                     f"{fmt(100 * got if got is not None else None, 0)}% | {met(got, got is not None and got <= 0.25)} |")
+                     f"{fmt(share, 0)}% | {met(got, got is not None and got <= 0.25)} |")
     lion = (decode or {}).get("decode", {}).get("lion", {})
     first, last = str(DECODE_LENGTHS[0]), str(DECODE_LENGTHS[-1])
     got = ratio(lion[last]["per_token_s"], lion[first]["per_token_s"]) if first in lion and last in lion else None

@@ -266,7 +266,8 @@ def bf16_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int
     for L in lengths:
         for threads, res in scaling.items():
             get = lambda impl: res.get(impl, {}).get(L, {})  # noqa: E731
-            c32, c16, s32, s16 = get("chunk").get("fwd"), get("chunk_bf16"), get("sdpa").get("fwd"), get("sdpa_bf16").get("fwd")
+            c32, c16 = get("chunk").get("fwd"), get("chunk_bf16")
+            s32, s16 = get("sdpa").get("fwd"), get("sdpa_bf16").get("fwd")
             if not c16.get("fwd"):
                 continue
             up = f"{c32 / c16['fwd']:.2f}x" if c32 else "-"

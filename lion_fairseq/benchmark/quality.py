@@ -318,7 +318,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: per comparison)")
     parser.add_argument("--pairs", type=positive_int, default=4, help="recall: key-value pairs a line")
     parser.add_argument("--lines", type=positive_int, default=20000, help="recall: training lines")
-    parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these of the standard models (none: only the --add ones)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="only these of the standard models (none: only the --add ones)")
     parser.add_argument("--add", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
                         help='one more model: a name and its fairseq-train options, e.g. conv "--arch '
                              'lion_s_lm_tiny --lion-short-conv 4"')
@@ -343,8 +344,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         models = [m for m in MODELS[what] if args.only is None or m[0] in args.only]
         models += [(name, shlex.split(flags)) for name, flags in args.add]
         if not models:
-            parser.error(f"--only {' '.join(args.only)}: none of {what}'s models ({', '.join(m[0] for m in MODELS[what])}), "
-                         "and no --add")
+            names = ", ".join(m[0] for m in MODELS[what])
+            parser.error(f"--only {' '.join(args.only)}: none of {what}'s models ({names}), and no --add")
         updates, lr, warmup = SCHEDULE[what]
         texts.append(compare(what, out, models, args.seeds, args.updates or updates,
                              args.lr if args.lr is not None else lr,

@@ -88,7 +88,8 @@ def checked_input(x: Tensor, key_padding_mask: Optional[Tensor], embed_dim: int)
         return None
     if key_padding_mask.shape != (B, T):
         raise ValueError(f"key_padding_mask must be (B, T) = {(B, T)} for x of shape (T, B, C) = {(T, B, C)}, a "
-                         f"column per token of this call (one when decoding a token); got {tuple(key_padding_mask.shape)}")
+                         f"column per token of this call (one when decoding a token); "
+                         f"got {tuple(key_padding_mask.shape)}")
     return bool_padding_mask(key_padding_mask)
 
 
@@ -276,7 +277,7 @@ class LionAttention(nn.Module):
         ``z`` ``(B, H, D)``: a first call with T tokens prefills them in one pass, later calls advance the
         recurrence token by token.
         """
-        key_padding_mask = checked_input(x, key_padding_mask, self.embed_dim)  # the convolution and decoding read it too
+        key_padding_mask = checked_input(x, key_padding_mask, self.embed_dim)  # read by the convolution and decoding
         q, k, v = self._qkv(x, key_padding_mask, incremental_state)
         if not self.normalize and v.dtype == torch.float16:
             v = v.float()  # an unnormalised sum over T keys can pass fp16's 65504: the output stays float32
