@@ -76,10 +76,11 @@ def test_a_gate_of_zero_is_taken_as_lion_attention_takes_it():
 
 
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])
-@pytest.mark.parametrize("normalize_before", [False, True])
-def test_encoder_layer_recurrent_inference_by_blocks(monkeypatch, variant, normalize_before):
+@pytest.mark.parametrize("normalize_before,side", [(False, "right"), (True, "right"), (False, "left")])
+def test_encoder_layer_recurrent_inference_by_blocks(monkeypatch, variant, normalize_before, side):
     """In eval mode without autograd the recurrent form runs the layer block by block; its output equals
-    the whole-sequence layer (autograd on) and the chunk form, padding included."""
+    the whole-sequence layer (autograd on) and the chunk form, padding included (on the left, across a block
+    edge: the state carried rightwards must leave the padded keys out)."""
     from lion_fairseq.modules import encoder_layer
     from lion_fairseq.modules.encoder_layer import LionEncoderLayer
 
@@ -91,7 +92,8 @@ def test_encoder_layer_recurrent_inference_by_blocks(monkeypatch, variant, norma
         torch.nn.init.normal_(layer.self_attn.gate_proj.weight, std=0.5)
     x = torch.randn(37, 2, 32)
     pad = torch.zeros(2, 37, dtype=torch.bool)
-    pad[1, -6:] = True
+    pad[1, -6:] = side == "right"
+    pad[1, :11] = side == "left"
     whole = layer(x, pad)  # autograd on: the whole-sequence path
     with torch.no_grad():
         blocks = layer(x, pad)

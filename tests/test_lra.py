@@ -240,13 +240,16 @@ def test_text_imdb_folder_to_training(tmp_path):
             folder = tmp_path / "aclImdb" / split / label
             folder.mkdir(parents=True)
             for i in range(n):
-                words = rng.choices(["great", "awful", "film", "plot", "é"], k=rng.randint(5, 60))
+                words = [label] + rng.choices(["great", "awful", "film", "plot", "é"], k=rng.randint(5, 60))
                 (folder / f"{i}_7.txt").write_text(" ".join(words), encoding="utf-8")
     data = _preprocess("text", "--imdb-dir", str(tmp_path / "aclImdb"), "--destdir", str(tmp_path / "bin"),
                        "--max-length", "100")
     from fairseq.data import data_utils
     ds = data_utils.load_indexed_dataset(str(data / "input0" / "train"), None)
     assert len(ds) == 12 and max(ds.sizes) <= 100
+    labels = data_utils.load_indexed_dataset(str(data / "label" / "train"), None)
+    assert sorted((int(labels[i][0]), bytes((ds[i] - 4).tolist())[:3]) for i in range(12)) == \
+        [(0, b"neg")] * 6 + [(1, b"pos")] * 6  # aclImdb's pos reviews are class 1
     # the aclImdb folder given as --input-dir, as every other kind takes its release folder: the same binaries
     again = _preprocess("text", "--input-dir", str(tmp_path / "aclImdb"), "--destdir", str(tmp_path / "again"),
                         "--max-length", "100")
@@ -264,11 +267,15 @@ def test_retrieval_tsv_pairs_to_training(tmp_path):
                 for i in range(n)]
         (folder / f"new_aan_pairs.{split}.tsv").write_text("\n".join(rows) + "\n")
     data = _preprocess("retrieval", "--input-dir", str(folder), "--destdir", str(tmp_path / "bin"))
-    assert (data / "input1" / "train.bin").is_file()
+    from fairseq.data import data_utils
+
+    first = (folder / "new_aan_pairs.train.tsv").read_text().split("\n")[0].split("\t")
+    for side, text in (("input0", first[3]), ("input1", first[4])):  # the two texts, not their ids
+        ds = data_utils.load_indexed_dataset(str(data / side / "train"), None)
+        assert bytes((ds[0] - 4).tolist()).decode() == text, side
     out = _train(data, tmp_path / "ck", "lra_retrieval", "--arch", "lion_s_lra_tiny", "--lion-form", "chunk",
                  "--lion-chunk-size", "16")
     assert _valid_count(out) == 4
-    from fairseq.data import data_utils
 
     docs = [data_utils.load_indexed_dataset(str(data / side / "valid"), None) for side in ("input0", "input1")]
     read = sum(int(ds.sizes.sum()) for ds in docs)  # the datasets alive: their sizes are a view of a memory map
@@ -390,10 +397,11 @@ def test_tsv_lines_end_at_newlines_only_and_bad_rows_are_named(tmp_path, capsys)
     from fairseq.data import data_utils
 
     for split in ("train", "dev", "test"):
-        (tmp_path / f"{split}.tsv").write_bytes(b"label\ttext\n1\tgood\rfilm\n0\tbad\n\n")
+        (tmp_path / f"{split}.tsv").write_bytes(b"label\ttext\n1\tgood\rfilm\n0\tbad\tone\n\n")
     data = _preprocess("text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "bin"))
     ds = data_utils.load_indexed_dataset(str(data / "input0" / "train"), None)
     assert len(ds) == 2 and (ds[0] - 4).tolist() == list(b"good\rfilm")
+    assert (ds[1] - 4).tolist() == list(b"bad\tone")  # a tab inside the text is the text's
 
     (tmp_path / "dev.tsv").write_text("label\ttext\n1\tfine\n0\t\n")
     assert prep.main(["text", "--input-dir", str(tmp_path), "--destdir", str(tmp_path / "empty")]) == 1

@@ -433,6 +433,10 @@ def test_token_by_token_step_equals_causal_form(gates, normalize):
     f_pad = None if f is None else torch.cat([junk[3].expand(B, H, 4), f.expand(B, H, L)], -1)
     S_left, _ = causal_state(torch.cat([junk[1], k], 2), torch.cat([junk[2], v], 2), f_pad, mask)
     assert rel_err(S_left, state[0]) < 1e-5
+    # padding after the tokens (a right-padded prompt) neither adds to the state nor decays it
+    f_pad = None if f is None else torch.cat([f.expand(B, H, L), junk[3].expand(B, H, 4)], -1)
+    S_right, _ = causal_state(torch.cat([k, junk[1]], 2), torch.cat([v, junk[2]], 2), f_pad, mask.flip(1))
+    assert rel_err(S_right, state[0]) < 1e-5
 
 
 def zero_gates(log_a: torch.Tensor) -> torch.Tensor:

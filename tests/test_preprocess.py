@@ -410,3 +410,11 @@ def test_force_never_replaces_a_folder_that_holds_the_inputs_or_the_current_one(
     assert text_cli.main(["--input", str(corpus[0] / "a.txt"), "--destdir", ".", "--force"]) == 1
     assert "is the current folder" in capsys.readouterr().err
     assert (snapshot(pre), snapshot(raw)) == before and leftovers(tmp_path) == [] and leftovers(raw) == []
+
+
+def test_class_ids_and_held_out_lines_are_numbered_as_a_reader_expects():
+    """Integer GLUE labels take class ids in numeric order (STS-like '10' after '2'), and a held-out share
+    rounds (5% of 39 lines is 2, not 1)."""
+    assert glue_cli._label_order(["10", "2", "-1", "2"]) == ["-1", "2", "10"]
+    assert glue_cli._label_order(["neutral", "entailment"]) == ["entailment", "neutral"]
+    assert text_cli._held_out(39, 0.05) == 2 and text_cli._held_out(3, 0.05) == 1 and text_cli._held_out(9, 0) == 0

@@ -667,3 +667,14 @@ def test_nan_in_a_gate_input_is_reported_at_inference(text_data_bin):
     tokens[0, 5] = 7
     with pytest.raises(FloatingPointError, match="gate logits"):
         model.eval()(tokens)
+
+
+def test_check_checkpoint_stops_on_a_missing_file_and_reads_older_checkpoints_positions(tmp_path, capsys):
+    """A missing checkpoint exits 1 (glue/finetune.sh stops on it); ``--max-positions`` reads an older
+    checkpoint's argparse args too (a released RoBERTa's 512), which glue/finetune.sh passes on."""
+    assert check_checkpoint.main([str(tmp_path / "nope.pt")]) == 1
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"args": argparse.Namespace(arch="roberta_base", max_positions=512), "model": {}}, legacy)
+    capsys.readouterr()
+    assert check_checkpoint.main(["--max-positions", str(legacy)]) == 0
+    assert capsys.readouterr().out.strip() == "512"
