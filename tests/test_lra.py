@@ -147,6 +147,17 @@ def test_listops_values_and_release_format():
         assert s.count("(") == s.count(")")
 
 
+def test_listops_generator_keeps_an_expression_out_of_a_second_split(tmp_path):
+    """Short expressions repeat often: each split still holds only expressions the others do not (else the
+    test accuracy would count memorised training items)."""
+    listops.main(["--output-dir", str(tmp_path), "--num-train", "40", "--num-valid", "40", "--num-test", "40",
+                  "--min-length", "3", "--max-length", "4", "--max-args", "2", "--seed", "0"])
+    splits = [{line.split("\t")[0] for line in (tmp_path / f"basic_{split}.tsv").read_text().split("\n")[1:] if line}
+              for split in ("train", "val", "test")]
+    assert [len(s) for s in splits] == [40, 40, 40]
+    assert not (splits[0] & splits[1] or splits[0] & splits[2] or splits[1] & splits[2])
+
+
 def test_generators_have_a_help(capsys):
     for module in (listops, pathfinder):
         with pytest.raises(SystemExit) as exit_info:
