@@ -1,4 +1,4 @@
-"""``LionAttention`` against SPEC section 2 written out literally in float64: the gates lambda indexed by
+"""``LionAttention`` (and the layers around it) against SPEC section 2 written out literally in float64: the gates lambda indexed by
 hand into the paper's mask (key inclusive to query exclusive), the feature maps, the normaliser,
 ``--lion-norm-after``, the gate temperature and the output gate; values and the gradients of the input and
 of every parameter, in each form, each form seen to run. The operator's own tests compare its forms with a
@@ -109,3 +109,42 @@ def test_module_equals_the_papers_definition_with_gradients(variant, causal, opt
         for name, a, b in zip(["values", "x", *(n for n, _ in m.named_parameters())], got, expected):
             # the gates are float32 (SPEC section 2): that rounding, no more
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda e: f"{form} form, {name}: {e}")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("normalize_before", [True, False], ids=["pre-norm", "post-norm"])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_layers_put_their_norms_and_activation_where_fairseq_does(kind, normalize_before, activation):
+    """Pre-norm ``x + attn(LN(x))`` then ``x + FFN(LN(x))``; post-norm ``LN(x + attn(x))`` then
+    ``LN(x + FFN(x))``; written out with the layer's own submodules (the forms' tests compare a layer with
+    itself, which a misplaced norm passes)."""
+    from lion_fairseq.modules.decoder_layer import LionDecoderLayer
+    from lion_fairseq.modules.encoder_layer import LionEncoderLayer
+
+    torch.manual_seed(0)
+    attention = dict(variant="s", chunk_size=4)
+    if kind == "encoder":
+        layer = LionEncoderLayer(C, H, 32, attention, activation_fn=activation, normalize_before=normalize_before)
+    else:
+        layer = LionDecoderLayer(C, 32, H, attention, activation_fn=activation, normalize_before=normalize_before)
+    layer = layer.double().eval()
+    with torch.no_grad():  # norms that are not the identity, so that a missing one shows
+        for norm in (layer.self_attn_layer_norm, layer.final_layer_norm):
+            norm.weight.normal_()
+            norm.bias.normal_()
+    x = torch.randn(T, B, C, dtype=torch.double)
+    act = {"relu": F.relu, "gelu": F.gelu}[activation]
+
+    def ffn(h):
+        return layer.fc2(act(layer.fc1(h)))
+
+    ln1, ln2, attn = layer.self_attn_layer_norm, layer.final_layer_norm, layer.self_attn
+    with torch.enable_grad():  # the whole-sequence path of the encoder layer (without autograd it goes by blocks)
+        if normalize_before:
+            h = x + attn(ln1(x))
+            expected = h + ffn(ln2(h))
+        else:
+            h = ln1(x + attn(x))
+            expected = ln2(h + ffn(h))
+        # fairseq's gelu and LION's gates run in float32: that rounding, no more
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)

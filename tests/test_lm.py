@@ -296,6 +296,11 @@ def test_options_and_errors(text_data_bin):
         model(torch.full((1, 65), 5))
     with pytest.raises(ValueError, match="--no-lion-normalize"):
         build(text_data_bin, "--arch", "lion_d_lm_tiny", "--lion-feature-map", "identity")
+    # --lion-positions overrides the variant's default either way
+    assert build(text_data_bin, "--arch", "lion_s_lm_tiny", "--lion-positions", "learned")[1].decoder.embed_positions
+    assert build(text_data_bin, "--arch", "lion_lit_lm_tiny", "--lion-positions", "none")[1].decoder.embed_positions is None
+    relu = build(text_data_bin, "--arch", "lion_s_lm_tiny", "--activation-fn", "relu")[1]
+    assert {layer.activation_fn for layer in relu.decoder.layers} == {torch.nn.functional.relu}
 
 
 def test_resume_as_another_model_is_refused(lit_trained, text_data_bin, tmp_path):

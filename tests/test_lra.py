@@ -465,3 +465,28 @@ def test_errors_name_the_file_line_or_option(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--criterion cross_entropy: the lra_\* tasks train and validate with "
                                          r"--criterion lion_classification"):
         task.build_criterion(OmegaConf.create({"_name": "cross_entropy"}))
+
+
+def test_classification_criterion_reports_bits_and_accuracy():
+    """lion_classification logs the loss in bits per sequence and the share of argmax hits, in percent, over
+    every batch of a validation."""
+    import math
+
+    from fairseq import metrics
+
+    from lion_fairseq.criterions.classification import LionClassificationCriterion
+
+    criterion = LionClassificationCriterion(None)
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0], [1.0, 0.0, 0.5], [0.0, 0.0, 4.0]])
+    targets = torch.tensor([0, 1, 2, 0])  # the last two wrong
+    logs = []
+    for rows in (slice(0, 3), slice(3, 4)):  # two batches
+        sample = {"net_input": {"x": logits[rows]}, "target": targets[rows], "ntokens": 10}
+        loss, n, log = criterion(lambda x: x, sample)
+        assert n == len(targets[rows])
+        logs.append(log)
+    with metrics.aggregate() as agg:
+        criterion.reduce_metrics(logs)
+    bits = float(torch.nn.functional.cross_entropy(logits, targets)) / math.log(2)
+    assert agg.get_smoothed_values()["loss"] == pytest.approx(bits, abs=1e-3)
+    assert agg.get_smoothed_values()["accuracy"] == 50.0 and agg.get_smoothed_values()["examples"] == 4

@@ -136,6 +136,9 @@ def test_options_reach_the_layers_and_bad_ones_are_refused(mt_data):
     assert model.encoder.embed_positions is None and model.decoder.embed_positions is None
     _, softmax = build(mt_data, "lit", "softmax")
     assert type(softmax.decoder.layers[0].encoder_attn).__name__ == "MultiheadAttention"
+    _, learned = build(mt_data, "s", "softmax", "--lion-positions", "learned")  # on both sides
+    assert [type(m.embed_positions).__name__ for m in (learned.encoder, learned.decoder)] == \
+        ["LearnedPositionalEmbedding"] * 2
     with pytest.raises(ValueError, match="--lion-feature-map identity"):
         build(mt_data, "s", "softmax", "--lion-feature-map", "identity")
     # --lion-positions beside fairseq's own position options trained with no positions at all, saying nothing
