@@ -148,3 +148,19 @@ def test_layers_put_their_norms_and_activation_where_fairseq_does(kind, normaliz
             expected = ln2(h + ffn(h))
         # fairseq's gelu and LION's gates run in float32: that rounding, no more
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_dropout_drops_in_training_only():
+    """``--attention-dropout`` drops the heads' mixed values in training (two passes differ where nothing
+    else drops) and nothing in evaluation."""
+    from lion_fairseq.modules.encoder_layer import LionEncoderLayer
+
+    x = torch.randn(T, B, C, dtype=torch.double)
+    outputs = {}
+    for p in (0.0, 0.5):
+        torch.manual_seed(0)
+        layer = LionEncoderLayer(C, H, 32, dict(variant="s", chunk_size=4), dropout=0.0, attention_dropout=p).double()
+        outputs[p] = [layer.train()(x), layer.train()(x), layer.eval()(x), layer.eval()(x)]
+    assert torch.equal(outputs[0.0][0], outputs[0.0][1])  # nothing else drops
+    assert not torch.equal(outputs[0.5][0], outputs[0.5][1])
+    assert torch.equal(outputs[0.5][2], outputs[0.5][3]) and torch.equal(outputs[0.5][2], outputs[0.0][2])

@@ -206,6 +206,10 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin):
     tokens = hub.encode("the value of the object is returned")
     assert tokens[0] == hub.task.source_dictionary.bos() and len(tokens) == 9
     assert hub.extract_features(tokens).shape == (1, 9, 128)
+    hub.eval()  # fairseq's hub starts in train mode (dropout on), as RoBERTa's does
+    layers = hub.extract_features(tokens, return_all_hiddens=True)  # the embeddings and each layer's output
+    assert len(layers) == 3 and torch.equal(layers[-1], hub.extract_features(tokens))
+    hub.train()
     # no positions: LION-S encodes far past its training length (64), in a form without an L x L matrix
     long = torch.cat([tokens[:-1]] * 40 + [tokens[-1:]])
     hub_chunk = LionRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(text_data_bin),
@@ -283,6 +287,20 @@ def test_bad_model_options_are_named(text_data_bin, bad, message):
     """More options the model refuses as fairseq-train builds it (which then stops, as above)."""
     with pytest.raises(ValueError, match=message):
         build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *bad)
+
+
+def test_embedding_and_final_norm_options_build_what_they_name(text_data_bin):
+    """--no-layernorm-embedding drops the embeddings' norm; --encoder-normalize-before ends the encoder in a
+    LayerNorm (at initialisation each token's features then have mean 0 and variance 1)."""
+    plain = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny")[1].encoder.sentence_encoder
+    assert plain.layernorm_embedding is not None
+    bare = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny", "--no-layernorm-embedding")[1]
+    assert bare.encoder.sentence_encoder.layernorm_embedding is None
+    pre = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny", "--encoder-normalize-before")[1].eval()
+    with torch.no_grad():
+        features = pre(torch.randint(4, 100, (2, 12)), features_only=True)[0]
+    torch.testing.assert_close(features.mean(-1), torch.zeros(2, 12), atol=1e-5, rtol=0)
+    torch.testing.assert_close(features.var(-1, unbiased=False), torch.ones(2, 12), atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("task, arch, bad, message", [
