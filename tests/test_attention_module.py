@@ -1,7 +1,7 @@
-"""``LionAttention`` (and the layers around it) against SPEC section 2 written out literally in float64: the gates lambda indexed by
-hand into the paper's mask (key inclusive to query exclusive), the feature maps, the normaliser,
-``--lion-norm-after``, the gate temperature and the output gate; values and the gradients of the input and
-of every parameter, in each form, each form seen to run. The operator's own tests compare its forms with a
+"""``LionAttention`` (and the layers around it) against SPEC section 2 written out in float64: the gates
+lambda shifted by hand into the operator's (the paper's mask: key inclusive to query exclusive), the feature
+maps, the normaliser, ``--lion-norm-after``, the gate temperature and the output gate; values and the
+gradients of the input and of every parameter, in each form, each form seen to run. The operator's own tests compare its forms with a
 reference; these catch a layer that feeds it the wrong gates, options or form."""
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import lion_fairseq.ops.attention as attention_op
 from lion_fairseq.modules.lion_attention import LionAttention
+from reference import reference_attention
 
 C, H, T, B = 16, 2, 9, 2
 OPTIONS = {
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def literal(m: LionAttention, x: torch.Tensor, mask: torch.Tensor, feature_map: str) -> torch.Tensor:
-    """SPEC section 2, one entry at a time. x ``(T, B, C)``, mask ``(B, T)`` True at padding."""
+    """SPEC section 2 around the float64 reference of section 1 (``tests/reference.py``), its gates lambda
+    computed and shifted here, not by the module. x ``(T, B, C)``, mask ``(B, T)`` True at padding."""
     def heads(t):
         return t.reshape(T, B, H, C // H).permute(1, 2, 0, 3)  # (B, H, T, D)
 
@@ -39,22 +41,11 @@ def literal(m: LionAttention, x: torch.Tensor, mask: torch.Tensor, feature_map: 
         lam = (torch.sigmoid(m.gate_logit) ** (1 / tau))[None, :, None].expand(B, H, T)
     else:
         lam = torch.ones(B, H, T, dtype=x.dtype)
-    rows = []
-    for i in range(T):
-        row = []
-        for j in range(T):
-            if i > j:  # lambda_j ... lambda_{i-1}
-                row.append(lam[..., j:i].prod(-1))
-            elif i < j:  # lambda_{i+1} ... lambda_j, nothing where causal
-                row.append(lam[..., i + 1:j + 1].prod(-1) * (0.0 if m.causal else 1.0))
-            else:
-                row.append(torch.ones(B, H, dtype=x.dtype))
-        rows.append(torch.stack(row, -1))
-    A = (q @ k.transpose(-1, -2)) * torch.stack(rows, -2)
-    A = A.masked_fill(mask[:, None, None, :], 0.0)
-    y = A @ v
-    if m.normalize:
-        y = y / (A.sum(-1, keepdim=True) + m.eps)
+    # SPEC section 2 in the operator's terms: f_t = lambda_{t-1}, b_t = lambda_{t+1}, 1 at the ends
+    one = torch.ones_like(lam[..., :1])
+    f, b = torch.cat([one, lam[..., :-1]], -1), torch.cat([lam[..., 1:], one], -1)
+    y = reference_attention(q, k, v, f.log(), b.log(), causal=m.causal, normalize=m.normalize,
+                            key_padding_mask=mask, eps=m.eps)
     if m.head_norm is not None:
         y = F.layer_norm(y, (C // H,), m.head_norm.weight, m.head_norm.bias, m.head_norm.eps)
     y = y.permute(2, 0, 1, 3).reshape(T, B, C)
