@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 from . import operator as op
 from .layer import LIMITS
 from .operator import fmt, speedup, threads_name
-from .options import positive_int
+from .options import fill_unset, positive_int
 from .plotting import against_length, pyplot
 
 FORMS = ("chunk", "parallel", "recurrent")
@@ -177,9 +177,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = p.parse_args(argv)
     flop_lengths, sizes = ([1024] if args.small else FLOP_LENGTHS), CHUNK_SIZES
-    if args.lengths is None:
-        args.lengths = [128, 256, 512, 1024] if args.small else LENGTHS
-    decode_lengths = args.decode_lengths if args.decode_lengths is not None else [] if args.small else DECODE_LENGTHS
+    fill_unset(args, args.small, lengths=(LENGTHS, [128, 256, 512, 1024]), decode_lengths=(DECODE_LENGTHS, []))
     scaling_lengths = [L for L in SCALING_LENGTHS if L in args.lengths] or args.lengths[-1:]
     scaling_threads = [t for t in dict.fromkeys(args.scaling_threads) if t != args.threads]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -232,9 +230,10 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # one thread is decoding's main run (its target's figure); the other counts are its scaling
     decodes: Dict[int, Dict] = {}
-    for threads in dict.fromkeys([1, args.threads] + scaling_threads) if decode_lengths else []:
+    for threads in dict.fromkeys([1, args.threads] + scaling_threads) if args.decode_lengths else []:
         out = args.out / ("decode" if threads == 1 else f"decode_{threads}_threads")
-        subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.decode", "--lengths", *map(str, decode_lengths),
+        subprocess.run([sys.executable, "-m", "lion_fairseq.benchmark.decode",
+                        "--lengths", *map(str, args.decode_lengths),
                         "--steps", "64", "--score-blocks", "2048", "--threads", str(threads), "--out", str(out)],
                        check=False, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
         if (out / "decode.json").exists():

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .operator import threads_name
-from .options import positive_int
+from .options import fill_unset, positive_int
 
 VOCAB = 32000  # a typical subword vocabulary: the output projection costs the same for both models
 
@@ -136,10 +136,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="contexts 64..1024, one scoring block (options given still apply)")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/decode"))
     args = p.parse_args(argv)
-    for key, full, small in (("lengths", [64, 256, 1024, 4096, 16384], [64, 256, 1024]), ("steps", 32, 8),
-                             ("score_blocks", [512, 2048], [512])):
-        if getattr(args, key) is None:
-            setattr(args, key, small if args.small else full)
+    fill_unset(args, args.small, lengths=([64, 256, 1024, 4096, 16384], [64, 256, 1024]), steps=(32, 8),
+               score_blocks=([512, 2048], [512]))
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .operator import speedup, threads_name
-from .options import positive_int
+from .options import fill_unset, positive_int
 from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
@@ -230,10 +230,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.long and args.small:  # long_document takes neither: it would start the whole run
         p.error("--small does not shorten --long: pass --long-lengths (and --softmax-max) instead")
-    for key, full, small in (("train_lengths", [128, 512, 2048], [128, 512]), ("infer_lengths", [4096, 16384], [1024]),
-                             ("steps", 2, 1), ("vocab", ROBERTA_VOCAB, 1000)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if args.small else full)
+    fill_unset(args, args.small, train_lengths=([128, 512, 2048], [128, 512]), infer_lengths=([4096, 16384], [1024]),
+               steps=(2, 1), vocab=(ROBERTA_VOCAB, 1000))
     if args.child:
         arch, mode, L, batch = args.child
         r = measure(arch, mode, int(L), int(batch), args.vocab, args.threads, args.lion_form, args.chunk_size,

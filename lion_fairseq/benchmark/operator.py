@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .options import positive_int
+from .options import fill_unset, positive_int
 from .plotting import against_length, pyplot
 from .rss import maxrss_mib, reset_peak
 
@@ -305,12 +305,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     args.chunk_size, args.repeats, ["fwd", "fwdbwd"])
         print(json.dumps(r))
         return
-    if args.lengths is None:
-        args.lengths = [256, 512, 1024, 2048] if args.small else [256, 1024, 2048, 4096, 16384]
-    if args.repeats is None:
-        args.repeats = 1 if args.small else 3
-    if args.scaling_threads is None:
-        args.scaling_threads = [] if args.small else [1]
+    fill_unset(args, args.small, lengths=([256, 1024, 2048, 4096, 16384], [256, 512, 1024, 2048]), repeats=(3, 1),
+               scaling_threads=([1], []))
     print(f"LION operator vs softmax attention: B={args.batch} H={args.heads} D={args.dim}, "
           f"{args.threads} threads, chunk {args.chunk_size}, best of {args.repeats}", flush=True)
     peaks = {t: run_child(argparse.Namespace(**dict(vars(args), threads=t)), "matmul", 0).get("gflops")

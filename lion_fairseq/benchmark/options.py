@@ -1,5 +1,6 @@
 """Command-line value types the benchmarks share."""
 import argparse
+from typing import Any, Tuple
 
 
 def positive_int(text: str) -> int:
@@ -12,3 +13,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
     return value
+
+
+def fill_unset(args: argparse.Namespace, small: bool, **defaults: Tuple[Any, Any]) -> None:
+    """Set each option named in ``defaults`` that the command line left None to its default: the first of
+    its pair, or with ``--small`` the second. An option given keeps its value, ``--small`` or not."""
+    for key, (full, short) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, short if small else full)
