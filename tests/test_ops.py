@@ -414,6 +414,7 @@ def test_token_by_token_step_equals_causal_form(gates, normalize):
         f_t = None if f is None else f.expand(B, H, L)[..., t]
         y_t, state = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], f_t, state, normalize=normalize)
         ys.append(y_t)
+        first = state if t == 0 else first
     assert rel_err(torch.stack(ys, 2), full) < 1e-5
     # one-token slices in the operator's layout (B, H, 1, D) step the same
     state4, ys4 = None, []
@@ -423,6 +424,9 @@ def test_token_by_token_step_equals_causal_form(gates, normalize):
                                 normalize=normalize)
         ys4.append(y_t)
     assert torch.equal(torch.cat(ys4, 2), torch.stack(ys, 2)) and torch.equal(state4[0], state[0])
+    if f is not None:  # a (B, H, 1) gate steps (B, H, D) tokens too, as the docstring says
+        y_t, _ = lion_step(q[:, :, 1], k[:, :, 1], v[:, :, 1], f.expand(B, H, L)[..., 1:2], first, normalize=normalize)
+        assert torch.equal(y_t, ys[1])
     # the state after the loop is what causal_state gives in one pass, also behind padding
     S, z = causal_state(k, v, f)
     assert rel_err(S, state[0]) < 1e-5 and rel_err(z, state[1]) < 1e-5
@@ -513,6 +517,20 @@ def test_bad_arguments_name_the_argument():
     _, state = lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0])
     with pytest.raises(ValueError, match="log_a_t"):
         lion_step(q[:, :, 1], k[:, :, 1], v[:, :, 1], f[:, :, :2], state)
+    # integer inputs would be computed in float and cast back, truncated: refused by name, as are gates that
+    # are no float tensor
+    for name in ("q", "k", "v"):
+        args = {"q": q, "k": k, "v": v, name: torch.ones(q.shape[:3] + (v.shape[-1] if name == "v" else q.shape[-1],),
+                                                         dtype=torch.long)}
+        with pytest.raises(ValueError, match=f"{name} must be a floating-point tensor"):
+            lion_attention(**args)
+        with pytest.raises(ValueError, match=f"{name}_t must be a floating-point tensor"):
+            lion_step(*(args[n][:, :, 0] for n in "qkv"))
+    for gate in (-0.5, f.long(), f < 0):
+        with pytest.raises(ValueError, match="log_a_fwd must be a float tensor"):
+            lion_attention(q, k, v, gate)
+        with pytest.raises(ValueError, match="log_a_t must be a float tensor"):
+            lion_step(q[:, :, 1], k[:, :, 1], v[:, :, 1], gate if isinstance(gate, float) else gate[..., 1], state)
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
-from .float32 import accumulation_dtype, float32_math
+from .float32 import accumulation_dtype, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate_shape
 from .padding import bool_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
@@ -92,6 +92,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         raise ValueError(f"k must have q's shape {tuple(q.shape)}; got {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be (B, H, L, Dv) with q's (B, H, L) = {tuple(q.shape[:3])}; got {tuple(v.shape)}")
+    check_float(q=q, k=k, v=v)
     B, H, L, _ = q.shape
     if key_padding_mask is not None:
         if key_padding_mask.shape != (B, L):

@@ -27,3 +27,11 @@ def accumulation_dtype(x: Tensor) -> torch.dtype:
     """The dtype the ops accumulate in for an input like ``x``: float64 for float64 (the references),
     float32 for every other dtype."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_float(**tensors: Tensor) -> None:
+    """Refuse integer or bool inputs by name: the ops would compute in float and cast the result back,
+    truncating it without a word."""
+    for name, x in tensors.items():
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor; got {x.dtype}")

@@ -12,7 +12,11 @@ LOG_GATE_MIN = -1e4
 
 
 def check_gate_shape(log_a: Tensor, name: str, shape: Tuple[int, ...]) -> None:
-    """Refuse a log-gate that does not broadcast to ``shape`` (``(B, H, L)``, or ``(B, H)`` for one step)."""
+    """Refuse a log-gate that is not a float tensor broadcasting to ``shape`` (``(B, H, L)``, or ``(B, H)``
+    for one step)."""
+    if not isinstance(log_a, Tensor) or not log_a.is_floating_point():
+        what = f"a {log_a.dtype} tensor" if isinstance(log_a, Tensor) else f"{type(log_a).__name__} {log_a!r}"
+        raise ValueError(f"{name} must be a float tensor of log-gates (<= 0), or None for gate 1; got {what}")
     try:
         fits = torch.broadcast_shapes(log_a.shape, shape) == tuple(shape)
     except RuntimeError:

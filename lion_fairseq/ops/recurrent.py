@@ -4,7 +4,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .float32 import accumulation_dtype, float32_math
+from .float32 import accumulation_dtype, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate_shape
 from .padding import mask_padded_keys
 
@@ -65,9 +65,9 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
     ``v_t.dtype`` and the new state. ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``,
     ``y_t = q_t S_t / (q_t . z_t + eps)``.
     """
+    if isinstance(log_a_t, Tensor) and log_a_t.dim() == 3 and log_a_t.shape[-1] == 1:  # (B, H, 1): this token's
+        log_a_t = log_a_t.squeeze(-1)
     if q_t.dim() == 4 and q_t.shape[2] == 1 and k_t.dim() == v_t.dim() == 4 and k_t.shape[2] == v_t.shape[2] == 1:
-        if log_a_t is not None and log_a_t.dim() >= 3 and log_a_t.shape[-1] == 1:
-            log_a_t = log_a_t.squeeze(-1)
         y, state = lion_step(q_t.squeeze(2), k_t.squeeze(2), v_t.squeeze(2), log_a_t, state, normalize=normalize,
                              eps=eps)
         return y.unsqueeze(2), state
@@ -75,6 +75,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
         raise ValueError(f"q_t and k_t must both be (B, H, Dk); got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}")
     if v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
         raise ValueError(f"v_t must be (B, H, Dv) with the B, H of q_t; got {tuple(v_t.shape)}")
+    check_float(q_t=q_t, k_t=k_t, v_t=v_t)
     if log_a_t is not None:
         check_gate_shape(log_a_t, "log_a_t", tuple(q_t.shape[:2]))
     dtype = accumulation_dtype(v_t)
