@@ -193,13 +193,18 @@ def test_finetune_from_model_starts_lion_from_roberta(roberta, text_data_bin, tm
 
 def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_path, capsys):
     out = tmp_path / "lion_d.pt"
-    run = subprocess.run([sys.executable, "-m", "lion_fairseq.convert", str(roberta), str(out), "--arch", "lion_d_tiny"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # an output path relative to the folder it runs in, as typed
+    run = subprocess.run([sys.executable, "-m", "lion_fairseq.convert", str(roberta), out.name, "--arch", "lion_d_tiny"],
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "wrote" in run.stdout and out.exists()
     from lion_fairseq.models.lion_encoder import LionRobertaModel
 
-    hub = LionRobertaModel.from_pretrained(str(tmp_path), "lion_d.pt", str(text_data_bin))
+    # the hub call it prints loads the file from anywhere: its folder is absolute
+    folder = re.search(r"LionRobertaModel\.from_pretrained\('([^']+)', 'lion_d\.pt', <data>\)", run.stdout)
+    assert folder and folder[1] == str(tmp_path), run.stdout
+    hub = LionRobertaModel.from_pretrained(folder[1], "lion_d.pt", str(text_data_bin))
     teacher = teacher_state(roberta)
     assert torch.equal(hub.model.state_dict()["encoder.sentence_encoder.layers.1.fc2.weight"],
                        teacher["encoder.sentence_encoder.layers.1.fc2.weight"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers tasks, models and criterions, as --user-dir does)
-from conftest import ROOT, USER_DIR, fairseq_cli
+from conftest import ROOT, USER_DIR, build_model, fairseq_cli
 from lion_fairseq.lra import listops, pathfinder
 from lion_fairseq.lra.ordering import ORDERS, col_snake, inverse, ordering, row_snake
 from lion_fairseq.modules.lion_attention import LionAttention
@@ -179,6 +179,25 @@ def test_pathfinder_generator_writes_the_release_layout(tmp_path, capsys):
     assert img.shape == (32, 32) and img.max() == 255 and (img == 0).mean() > 0.5
 
 
+def test_pathfinder_markers_end_one_curve_when_connected_and_two_otherwise(monkeypatch):
+    """The label is the picture: 1 puts the two markers on the two ends of one curve, 0 on ends of two
+    different curves (each drawn); every image is otherwise alike, so a wrong negative would be unlearnable."""
+    curves, markers = [], []
+    draw_curve, draw_marker = pathfinder._curve, pathfinder._draw_marker
+    monkeypatch.setattr(pathfinder, "_curve", lambda *a: curves.append(draw_curve(*a)) or curves[-1])
+    monkeypatch.setattr(pathfinder, "_draw_marker", lambda img, p, *a: markers.append(p) or draw_marker(img, p, *a))
+    rng = np.random.default_rng(0)
+    for connected in (True, False, True, False):
+        curves.clear(), markers.clear()
+        img, label = pathfinder.sample(rng, 32, connected)
+        assert label == int(connected) and len(markers) == 2 and not np.array_equal(*markers)
+        ended = [[i for i, c in enumerate(curves) if any(np.array_equal(m, end) for end in (c[0], c[-1]))]
+                 for m in markers]
+        assert all(len(on) == 1 for on in ended), ended  # each marker ends exactly one curve
+        assert (ended[0] == ended[1]) == connected
+        assert all(img[tuple(np.round(m).astype(int))] == 255 for m in markers)
+
+
 # ---- converters and tasks, through fairseq-train ----------------------------------------------------------
 
 COMMON = ["--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--seed", "1", "--criterion", "lion_classification",
@@ -303,6 +322,11 @@ def test_retrieval_tsv_pairs_to_training(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model.encode(batch)[0], model.encode(short)[0], rtol=1e-5, atol=1e-6)
         assert model(batch, src_tokens_1=batch.flip(0)).shape == (2, 2)
+    # a pair is as long as its longer document, which decides its length bucket and --max-tokens budget
+    task.load_dataset("valid")
+    assert (docs[1].sizes > docs[0].sizes).any()  # the second document is the longer one in some pairs
+    pairs = task.datasets["valid"]
+    assert [pairs.num_tokens(i) for i in range(len(pairs))] == np.maximum(docs[0].sizes, docs[1].sizes).tolist()
 
 
 def _cifar(folder: Path, n: int, seed: int) -> None:
@@ -351,6 +375,22 @@ def test_image_cifar_pickles_to_training_with_two_snakes(tmp_path):
             logits[form] = model(tokens)
     for form in ("chunk", "recurrent"):
         torch.testing.assert_close(logits[form], logits["parallel"], rtol=1e-4, atol=1e-5)
+
+
+def test_image_rgb_pixels_are_three_tokens_of_a_row_in_the_grid(tmp_path):
+    """``--rgb`` puts a pixel's R, G and B side by side in its row: the task's grid is 32 x 96 tokens, which
+    the snake orderings walk whole (on a 32 x 32 grid they would refuse the 3072 tokens)."""
+    _cifar(tmp_path / "cifar-10-batches-py", 1, seed=0)
+    data = _preprocess("image", "--input-dir", str(tmp_path / "cifar-10-batches-py"), "--destdir",
+                       str(tmp_path / "bin"), "--valid-size", "1", "--rgb")
+    task, model = build_model(data, "lra_image", "--arch", "lion_s_lra_tiny", "--lion-order", "row_snake",
+                              "--encoder-layers", "1")
+    assert task.image_size == (32, 96)
+    task.load_dataset("valid")
+    tokens = task.datasets["valid"][0]["net_input.src_tokens"][None]
+    assert tokens.shape == (1, 3072)
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(tokens)).all()
 
 
 def test_hydra_model_name_of_an_arch_keeps_its_dropout(tmp_path):
