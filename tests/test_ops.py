@@ -414,7 +414,8 @@ def test_token_by_token_step_equals_causal_form(gates, normalize):
         f_t = None if f is None else f.expand(B, H, L)[..., t]
         y_t, state = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], f_t, state, normalize=normalize)
         ys.append(y_t)
-        first = state if t == 0 else first
+        if t == 0:
+            first = state
     assert rel_err(torch.stack(ys, 2), full) < 1e-5
     # one-token slices in the operator's layout (B, H, 1, D) step the same
     state4, ys4 = None, []
