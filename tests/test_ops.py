@@ -527,6 +527,12 @@ def test_bad_arguments_name_the_argument():
             lion_attention(**args)
         with pytest.raises(ValueError, match=f"{name}_t must be a floating-point tensor"):
             lion_step(*(args[n][:, :, 0] for n in "qkv"))
+    for eps in (-1e-6, float("nan"), float("inf"), None, True):  # a negative eps can cancel a row sum to zero
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            lion_attention(q, k, v, eps=eps)
+        with pytest.raises(ValueError, match="eps must be"):
+            lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], eps=eps)
+    assert torch.isfinite(lion_attention(q, k, v, f, b, eps=0)).all()
     for gate in (-0.5, f.long(), f < 0):
         with pytest.raises(ValueError, match="log_a_fwd must be a float tensor"):
             lion_attention(q, k, v, gate)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
-from .float32 import accumulation_dtype, check_float, float32_math
+from .float32 import accumulation_dtype, check_eps, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate_shape
 from .padding import bool_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
@@ -86,6 +86,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     if not is_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
     chunk_size = int(chunk_size)
+    check_eps(eps)
     if q.dim() != 4:
         raise ValueError(f"q must be (B, H, L, Dk); got shape {tuple(q.shape)}")
     if k.shape != q.shape:

@@ -4,6 +4,8 @@ Under fairseq's ``--amp`` the forward runs inside ``torch.autocast`` (fp16), whi
 every matmul to fp16 whatever their dtype, so an op that converts to float32 first would still multiply
 in fp16, and a row sum over L keys passes fp16's 65504. The ops' float32 is meant: they opt out."""
 import functools
+import math
+import numbers
 from typing import Callable, TypeVar
 
 import torch
@@ -35,3 +37,9 @@ def check_float(**tensors: Tensor) -> None:
     for name, x in tensors.items():
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor; got {x.dtype}")
+
+
+def check_eps(eps: object) -> None:
+    """The row normaliser's ``eps`` is a finite number >= 0: below 0 a row sum can be cancelled to zero."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite number >= 0; got {eps!r}")

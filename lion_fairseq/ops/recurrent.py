@@ -4,7 +4,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .float32 import accumulation_dtype, check_float, float32_math
+from .float32 import accumulation_dtype, check_eps, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate_shape
 from .padding import mask_padded_keys
 
@@ -76,6 +76,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
     if v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
         raise ValueError(f"v_t must be (B, H, Dv) with the B, H of q_t; got {tuple(v_t.shape)}")
     check_float(q_t=q_t, k_t=k_t, v_t=v_t)
+    check_eps(eps)
     if log_a_t is not None:
         check_gate_shape(log_a_t, "log_a_t", tuple(q_t.shape[:2]))
     dtype = accumulation_dtype(v_t)
