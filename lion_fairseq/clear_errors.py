@@ -244,22 +244,27 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
 
 
 def _wrap_load_checkpoint_to_cpu(original):
-    @functools.wraps(original)
-    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-        fixed = {k: v for k, v in (arg_overrides or {}).items() if k in FIXED_BY_TRAINING}
-        if fixed:  # checked against the trained values, so not applied (equal, they change nothing)
-            arg_overrides = {k: v for k, v in arg_overrides.items() if k not in fixed}
+    def read(path, arg_overrides, load_on_all_ranks):
         try:
             with _allowed_in_checkpoints():
-                state = original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
+                return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
             if isinstance(e, CheckpointError) or not os.path.isfile(str(path)) or not _of_the_file(e):
                 raise
             raise checkpoint_file_error(str(path), e) from e
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        fixed = {k: v for k, v in (arg_overrides or {}).items() if k in FIXED_BY_TRAINING}
+        # checked against a LION checkpoint's trained values, so not applied (equal, they change nothing)
+        state = read(path, {k: v for k, v in arg_overrides.items() if k not in fixed} if fixed else arg_overrides,
+                     load_on_all_ranks)
+        model = (state.get("cfg") or {}).get("model")
+        if fixed and not is_lion_config(model):  # fairseq's own options of its own models: applied, as fairseq does
+            state, fixed = read(path, arg_overrides, load_on_all_ranks), {}
         unknown = unknown_override_message(state.get("cfg"), arg_overrides or {})
         if unknown:
             raise ValueError(f"{path}: {unknown}")
-        model = (state.get("cfg") or {}).get("model")
         changed = changed_model_message(model, fixed) if fixed and model is not None else None
         if changed:
             raise ValueError(f"{path}: {changed}")
@@ -282,14 +287,26 @@ def _options_of(arch: str) -> set:
     return {f.name for f in dataclasses.fields(config)} if config is not None else set()
 
 
+# keys that fairseq's hub (``hub_utils.from_pretrained``, RoBERTa's) passes as overrides and reads itself
+HUB_KEYS = {"data", "user_dir", "generation_args", "is_vocoder", "load_checkpoint_heads", "bpe_codes",
+            "sentencepiece_model", "bpe_merges", "bpe_vocab"}
+
+
+def _other_side(key: str, near: str) -> bool:
+    """``key`` is ``near``'s encoder/decoder counterpart (``decoder_layerdrop`` near ``encoder_layerdrop``):
+    the option of the other half of a model, which one override string may pass to both kinds, no typo."""
+    return {key.split("_", 1)[0], near.split("_", 1)[0]} == {"encoder", "decoder"} and \
+        key.split("_", 1)[1:] == near.split("_", 1)[1:]
+
+
 def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[str]:
-    """What is wrong with ``overrides`` (``--model-overrides``, the hub's keyword arguments) that fairseq
-    would ignore without a word: a key the checkpoint's config (``cfg``, after the overrides) does not have
-    and that is a LION option or a near miss of one it has (``lion_fom``). None if nothing is. Other unknown
-    keys are left to fairseq: its own tools pass some that no config holds (the hub's
-    ``load_checkpoint_heads``). A LION option on a checkpoint of fairseq's own models is only logged: one
-    override string may serve both kinds of model, and fairseq ignores it there. Configs kept as an
-    ``argparse.Namespace`` take any key, so say nothing."""
+    """What is wrong with ``overrides`` (``--model-overrides``, the hub's keyword arguments) on a LION
+    checkpoint that fairseq would ignore without a word: a key its config (``cfg``, after the overrides) does
+    not have and that is a LION option or a near miss of one it has (``lion_fom``). None if nothing is.
+    Keys that fairseq's tools read themselves (``HUB_KEYS``) and the other half's option of an
+    encoder-decoder pair are left to fairseq. On a checkpoint of fairseq's own models nothing is refused,
+    as fairseq refuses nothing there: a near miss, or a LION option (one override string may serve both
+    kinds of model), is logged. Configs kept as an ``argparse.Namespace`` take any key, so say nothing."""
     from omegaconf import DictConfig
 
     if not isinstance(cfg, DictConfig):
@@ -303,14 +320,18 @@ def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[st
     model = cfg.get("model")
     arch = model.get("_name", "?") if isinstance(model, DictConfig) else "?"
     newer = _options_of(arch)
+    lion = is_lion_config(model)
     wrong = []
-    for key in sorted(set(overrides) - known):
-        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+    for key in sorted(set(overrides) - known - HUB_KEYS):
+        near = [n for n in difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if not _other_side(key, n)]
         if key in newer:  # the config was saved by a lion-fairseq without it (--encoder-layers-to-keep, say)
             wrong.append(f"{key!r} (an option of this model that its config, saved before the option existed, "
                          "has not: a run restarted with --restore-file and the option on the command line takes it)")
-        elif near or (key.startswith("lion_") and is_lion_config(model)):
+        elif lion and (near or key.startswith("lion_")):
             wrong.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not an option of this model'})")
+        elif near:
+            logger.warning(f"--model-overrides {key!r}: not an option of this {arch} checkpoint (did you mean "
+                           f"{near[0]!r}?); ignored, as fairseq ignores it")
         elif key.startswith("lion_"):
             logger.warning(f"--model-overrides {key!r}: a LION option, and this checkpoint is a {arch}; ignored, "
                            "as fairseq ignores it")
@@ -383,8 +404,8 @@ def not_a_language_model_message(model_cfg: Any) -> Optional[str]:
     if cls is None or issubclass(cls, FairseqLanguageModel):
         return None
     kind = ARCH_MODEL_NAME_REGISTRY.get(name, name)
-    return (f"--task language_modeling (fairseq-eval-lm) scores causal language models, and this checkpoint holds "
-            f"a {kind} model (--arch {name}): "
+    return (f"--task language_modeling (fairseq-train, fairseq-eval-lm) takes causal language models, and this "
+            f"checkpoint or command line holds a {kind} model (--arch {name}): "
             + OTHER_TOOLS.get(kind, "score it with fairseq-validate and the task it was trained with")
             + "; a causal LION LM is an arch of lion_{lit,d,s}_lm[_tiny]")
 
@@ -392,10 +413,13 @@ def not_a_language_model_message(model_cfg: Any) -> Optional[str]:
 def _wrap_language_model_build(original):
     @functools.wraps(original)
     def build_model(self, cfg, *args, **kwargs):
-        message = not_a_language_model_message(cfg)
-        if message:
-            raise ValueError(message)
-        return original(self, cfg, *args, **kwargs)
+        try:
+            return original(self, cfg, *args, **kwargs)
+        except (AttributeError, ValueError) as e:  # how fairseq fails on a model of another kind (its message)
+            message = not_a_language_model_message(cfg)
+            if message is None or isinstance(e, ValueError) and "language modeling target" not in str(e):
+                raise
+            raise ValueError(message) from e
     build_model.__lion_wrapped__ = True
     return build_model
 

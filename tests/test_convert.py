@@ -362,6 +362,24 @@ def transformer_lm(text_data_bin, tmp_path_factory):
     return save / "checkpoint_last.pt"
 
 
+def test_fairseq_models_take_their_own_overrides_and_build_as_fairseq_builds_them(transformer_lm, roberta,
+                                                                                  text_data_bin):
+    """What the plugin checks on LION checkpoints leaves fairseq's own models as fairseq runs them: an
+    --activation-fn override, refused on a LION checkpoint as another model on its weights, is applied to a
+    transformer_lm or RoBERTa checkpoint, and language_modeling still takes any model with the targets it
+    asks for (only where fairseq fails does the message say what the model is)."""
+    from fairseq import checkpoint_utils
+
+    for path in (transformer_lm, roberta):
+        state = checkpoint_utils.load_checkpoint_to_cpu(str(path), {"activation_fn": "gelu", "dropout": 0.0})
+        model = state["cfg"]["model"]
+        assert getattr(model, "activation_fn") == "gelu" and getattr(model, "dropout") == 0.0, path
+    with pytest.raises(ValueError, match=r"takes causal language models.*holds a roberta model \(--arch "
+                                         r"roberta_base\).*fairseq-validate") as e:
+        build_model(text_data_bin, "language_modeling", "--arch", "roberta_base", *SIZE)
+    assert "Unsupported language modeling target" in str(e.value.__cause__)
+
+
 def lion_lm(text_data_bin, arch, *extra):
     return build_model(text_data_bin, "language_modeling", "--arch", arch, *LM_SIZE, *LM_STRUCTURE, *extra)
 

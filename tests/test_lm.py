@@ -552,18 +552,27 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
 
 def test_lion_override_on_a_softmax_checkpoint_is_ignored_as_fairseq_does(caplog):
     """One --model-overrides string may serve a LION and a transformer_lm checkpoint alike: on the softmax
-    one a LION option is logged and ignored, as fairseq ignores it; on a LION one a misspelling still stops."""
+    one a LION option, or a near miss, is logged and ignored, as fairseq ignores it (the plugin refuses
+    nothing on fairseq's own models); on a LION one a misspelling still stops. Neither refuses the keys
+    fairseq's hub reads itself, nor the other half's option of an encoder-decoder pair."""
     from omegaconf import OmegaConf
 
     from lion_fairseq.clear_errors import unknown_override_message
 
-    softmax = OmegaConf.create({"model": {"_name": "transformer_lm", "dropout": 0.1}, "task": {"data": "x"}})
+    softmax = OmegaConf.create({"model": {"_name": "transformer_lm", "dropout": 0.1}, "task": {"data": "x"},
+                                "generation": {"beam": 5}})
     with caplog.at_level("WARNING"):
         assert unknown_override_message(softmax, {"lion_form": "recurrent", "dropout": 0.0}) is None
+        assert unknown_override_message(softmax, {"droput": 0.0}) is None
     assert "'lion_form': a LION option, and this checkpoint is a transformer_lm; ignored" in caplog.text
-    assert "did you mean 'dropout'" in unknown_override_message(softmax, {"droput": 0.0})
-    lion = OmegaConf.create({"model": {"_name": "lion_lm", "lion_variant": "s", "lion_form": "chunk"}})
+    assert "'droput': not an option of this transformer_lm checkpoint (did you mean 'dropout'?)" in caplog.text
+    lion = OmegaConf.create({"model": {"_name": "lion_roberta", "lion_variant": "s", "lion_form": "chunk",
+                                       "encoder_layerdrop": 0.0}, "generation": {"beam": 5}})
     assert "'lion_forms' (did you mean 'lion_form')" in unknown_override_message(lion, {"lion_forms": "recurrent"})
+    for config in (softmax, lion):
+        assert unknown_override_message(config, {"generation_args": {"beam": 2}, "load_checkpoint_heads": True,
+                                                 "decoder_layerdrop": 0.0, "encoder_layerdrop": 0.0}) is None
+    assert "did you mean 'encoder_layerdrop'" in unknown_override_message(lion, {"encoder_layerdrp": 0.0})
 
 
 def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin):
@@ -581,6 +590,10 @@ def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin)
         hub.sample("the value", sampling=True, seed=7, max_len_b=4)
     torch.manual_seed(0)
     assert hub.sample("the value", sampling=True, temperature=0.5, sampling_topk=5, max_len_b=4)
+    # fairseq's own hub keyword for the generation config is no misspelling of it
+    hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin),
+                                            generation_args={"beam": 2})
+    assert hub.cfg.generation.beam == 2
 
 
 def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_data_bin):
