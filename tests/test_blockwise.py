@@ -7,7 +7,7 @@ from reference import reference_attention, reference_mask
 from test_ops import B, DV, H, make_inputs, reference_state, rel_err, zero_gates
 
 
-def by_blocks(q, k, v, f, b, sizes, form, normalize, mask=None):
+def by_blocks(q, k, v, f, b, sizes, form, normalize, mask=None, eps=1e-6):
     """The way a layer streams: right states from right to left, then outputs from left to right."""
     edges = [0]
     for n in sizes:
@@ -25,7 +25,7 @@ def by_blocks(q, k, v, f, b, sizes, form, normalize, mask=None):
         s, e = edges[i], edges[i + 1]
         out.append(block_attention(rows(q, s, e), rows(k, s, e), rows(v, s, e), part(f, s, e), part(b, s, e),
                                    left, rights[i], form=form, normalize=normalize, key_padding_mask=m(s, e),
-                                   chunk_size=4))
+                                   chunk_size=4, eps=eps))
         left = state_after(left, rows(k, s, e), rows(v, s, e), part(f, s, e), m(s, e))
     return torch.cat(out, dim=2)
 
@@ -41,6 +41,16 @@ def test_blocks_equal_the_whole_sequence(form, gates, normalize):
         y = by_blocks(*inputs, sizes, form, normalize)
         assert y.shape == (B, H, L, DV)
         assert rel_err(y, ref) < 1e-5, sizes
+
+
+def test_blocks_take_eps_and_return_v_dtype():
+    """The eps given (0.5 moves rows by a few percent) and v's dtype, as lion_attention over the whole."""
+    L = 16
+    inputs = make_inputs(L, "token", seed=5)
+    ref = reference_attention(*[x.double() for x in inputs], eps=0.5)
+    assert rel_err(by_blocks(*inputs, [5, 11], "chunk", True, eps=0.5), ref) < 1e-5
+    low = by_blocks(*[x.bfloat16() for x in inputs], [5, 11], "recurrent", True, eps=0.5)
+    assert low.dtype == torch.bfloat16 and rel_err(low, ref) < 3e-2
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

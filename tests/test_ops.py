@@ -67,6 +67,13 @@ def test_forms_equal_reference_with_gradients(L, gates, causal, normalize):
             assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, (form, name)
 
 
+def test_chunk_longer_than_a_block_of_tokens(monkeypatch):
+    """A chunk_size above the chunk form's tokens per block (the contract takes any chunk_size >= 1): one
+    chunk a block, values and gradients as the reference's."""
+    monkeypatch.setattr(chunk_module, "BLOCK_TOKENS", C // 2)
+    assert_chunk_form_matches_reference(make_inputs(2 * C + 3, "token", seed=8), False, C, seed=9)
+
+
 @pytest.mark.parametrize("steep", [False, True])
 @pytest.mark.parametrize("block_tokens", [C, 2 * C, 1 << 30])  # 1 << 30: one block for every head (as on a GPU)
 @pytest.mark.parametrize("causal", [False, True])
@@ -132,7 +139,11 @@ def test_chunk_workspace_is_per_thread_and_can_be_released():
         t.start()
     for t in threads:
         t.join()
+    from lion_fairseq.ops.workspace import workspace
+
+    assert workspace.named and workspace.kept_bufs  # what a training call leaves to reuse ...
     release_workspace()
+    assert not workspace.named and not workspace.kept_bufs  # ... freed, the buffers kept for backward too
     after = {L: run(L, L) for L in alone}
     for L, expect in alone.items():
         for got in results[L] + [after[L]]:
@@ -299,22 +310,33 @@ def test_padded_slots_holding_inf_or_nan_change_nothing(form, causal):
             assert torch.isfinite(a).all() and rel_err(a, r) < 1e-5, name
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.5])
 @pytest.mark.parametrize("causal", [False, True])
-def test_eps_zero_is_finite_with_gradients(causal):
-    """With eps = 0 the definition is finite for positive features: every form agrees with it, values and
-    gradients, where L is not a multiple of the chunk (whose padding rows have no key: 0/0)."""
+def test_eps_enters_as_defined_and_zero_is_finite(causal, eps):
+    """``y_i = sum_j A_ij v_j / (sum_j A_ij + eps)`` for the eps given (0.5 moves rows by a few percent:
+    a form that kept its own eps fails), and with eps = 0 the definition is finite for positive features:
+    every form agrees with it, values and gradients, where L is not a multiple of the chunk (whose padding
+    rows have no key: 0/0). The decoding step does the same."""
     L = 3 * C + 5
     inputs = make_inputs(L, "token", seed=2)
     weight = torch.randn(B, H, L, DV, generator=torch.Generator().manual_seed(1))
     double = [x.double() for x in inputs]
-    ref_fn = lambda *x: reference_attention(*x, causal=causal, eps=0.0)  # noqa: E731
+    ref_fn = lambda *x: reference_attention(*x, causal=causal, eps=eps)  # noqa: E731
     ref, ref_grads = ref_fn(*double), grads(ref_fn, double, weight)
+    assert rel_err(reference_attention(*double, causal=causal), ref) > 1e-2 or eps == 0
     for form in FORMS:
-        fn = lambda *x: lion_attention(*x, form=form, causal=causal, eps=0.0, chunk_size=C)  # noqa: E731
+        fn = lambda *x: lion_attention(*x, form=form, causal=causal, eps=eps, chunk_size=C)  # noqa: E731
         assert rel_err(fn(*inputs), ref) < 1e-5, form
         for name, a, r in zip("q k v f b".split(), grads(fn, inputs, weight), ref_grads):
             if not (causal and name == "b"):
                 assert torch.isfinite(a).all() and rel_err(a, r) < 1e-4, (form, name)
+    if causal:
+        q, k, v, f, _ = inputs
+        state, ys = None, []
+        for t in range(L):
+            y_t, state = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], f[..., t], state, eps=eps)
+            ys.append(y_t)
+        assert rel_err(torch.stack(ys, 2), ref) < 1e-5
 
 
 def test_a_second_derivative_raises_where_a_form_cannot_give_it():
@@ -353,13 +375,20 @@ def test_long_sequence_strong_decay_stays_finite_and_forms_agree():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_bfloat16_chunk_form(causal):
+def test_bfloat16_inputs_in_every_form_and_step(causal):
+    """bfloat16 in, bfloat16 out (v's dtype), computed in float32: every form, and the decoding step, whose
+    state stays float32."""
     inputs = make_inputs(3 * C + 5, "token", dtype=torch.bfloat16)
-    y = lion_attention(*inputs, form="chunk", causal=causal, chunk_size=C)
-    assert y.dtype == torch.bfloat16
     ref = reference_attention(*[x.double() for x in inputs], causal=causal)
     rms = lambda x: x.double().pow(2).mean().sqrt()  # noqa: E731
-    assert rms(y.double() - ref) / rms(ref) < 1e-2
+    for form in FORMS:
+        y = lion_attention(*inputs, form=form, causal=causal, chunk_size=C)
+        assert y.dtype == torch.bfloat16, form
+        assert rms(y.double() - ref) / rms(ref) < 1e-2, form
+    if causal:
+        q, k, v, f, _ = inputs
+        y_t, (S, z) = lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], f[..., 0])
+        assert y_t.dtype == torch.bfloat16 and S.dtype == z.dtype == torch.float32
 
 
 @pytest.mark.parametrize("L", [1, 3 * C + 5])
@@ -401,6 +430,14 @@ def test_bfloat16_matmuls_only_where_nothing_is_trained():
     assert torch.isfinite(low).all() and rel_err(low, full) < 3e-2
     with pytest.raises(ValueError, match="matmul_dtype"):
         lion_attention(q, k, v, form="chunk", matmul_dtype=torch.float16)
+    # gates that are trained (with q, k and v fixed) need gradients too: float32, as the default
+    q, k, v, f, b = make_inputs(3 * C + 5, "token")
+    grad = {}
+    for dtype in (torch.bfloat16, None):
+        gate = f.clone().requires_grad_()
+        lion_attention(q, k, v, gate, b, form="chunk", chunk_size=C, matmul_dtype=dtype).pow(2).sum().backward()
+        grad[dtype] = gate.grad
+    assert torch.equal(grad[torch.bfloat16], grad[None])
 
 
 @pytest.mark.parametrize("gates", ["none", "head", "token"])
@@ -455,6 +492,21 @@ def reference_state(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor):
     """``(sum_j w_j k_j v_j^T, sum_j w_j k_j)`` in float64, with weights w ``(B, H, L)`` (a row of the mask)."""
     kw = k.double() * w[..., None]
     return kw.transpose(-1, -2) @ v.double(), kw.sum(-2)
+
+
+def test_memory_read_is_bidirectional_attention_without_decay():
+    """Cross-attention's memory (``memory_state``, then ``read_memory``) is lion_attention with no gates over
+    the memory's keys, the eps given included, padded keys left out."""
+    from lion_fairseq.ops.memory import memory_state, read_memory
+
+    q, k, v, _, _ = make_inputs(9, "none", seed=4)
+    mask = torch.zeros(B, 9, dtype=torch.bool)
+    mask[1, -3:] = True
+    for eps, normalize in ((0.5, True), (1e-6, True), (1e-6, False)):
+        y = read_memory(q, memory_state(k, v, mask), normalize=normalize, eps=eps)
+        ref = reference_attention(q.double(), k.double(), v.double(), normalize=normalize, eps=eps,
+                                  key_padding_mask=mask)
+        assert rel_err(y, ref) < 1e-5, (eps, normalize)
 
 
 def test_causal_state_takes_a_gate_of_zero_as_lion_attention_does():
