@@ -222,20 +222,83 @@ def test_interpreter_rounds_bfloat16_as_a_gpu_does():
     assert torch.equal(y, x.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("layout", ["fairseq", "expanded gates"])
+@pytest.mark.parametrize("layout", ["fairseq", "expanded gates", "strided head dim"])
 def test_kernel_reads_strided_inputs(layout):
     """q, k, v as fairseq's layers hand them over, views of ``(T, B, 3*H*D)`` permuted to ``(B, H, T, D)``,
-    and gates expanded from ``(H, 1)`` (stride 0 along L): read in place, the same result."""
+    and gates expanded from ``(H, 1)`` (stride 0 along L): read in place, the same result. Views whose
+    head dim is strided (a transposed ``(B, H, D, T)``, every other column) are copied, as they must be."""
     T, D = 45, 32
     g = torch.Generator().manual_seed(3)
     x = torch.rand(T, B, 3 * H * D, generator=g).to(DEVICE)
     q, k, v = (t.view(T, B, H, D).permute(1, 2, 0, 3) for t in x.split(H * D, -1))
+    if layout == "strided head dim":
+        q = q.transpose(2, 3).contiguous().transpose(2, 3)
+        v = torch.cat([v, v], -1)[..., ::2]
+        assert q.stride(-1) != 1 and v.stride(-1) != 1
     assert not q.is_contiguous()
     gate = F.logsigmoid(torch.randn(H, 1, generator=g)).to(DEVICE)
     gates = (gate, gate) if layout == "fairseq" else (gate.expand(B, H, T), gate.expand(B, H, T))
     y = lion_attention(q, k, v, *gates, form="chunk", backend="triton", chunk_size=16)
     ref = lion_attention(q.contiguous(), k.contiguous(), v.contiguous(), gate, gate, form="parallel")
     assert max_err(y, ref, ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("gates", ["token", "head"])
+def test_gate_gradients_under_strong_decay(gates):
+    """Log-gates near -10 and -30 (decays spanning hundreds of e-folds within a chunk): the gates' gradients
+    as the reference's, as the PyTorch chunk form gives them (q's and k's are ill-conditioned there, in
+    every float32 form, so only the gates are held)."""
+    g = torch.Generator().manual_seed(7)
+    L = 48
+    q, k, v, _, _ = make_inputs(L, "none", D=16, seed=7, dtype=torch.float32)
+    w = torch.randn(B, H, L, 16, generator=g, dtype=torch.float64).to(DEVICE)
+    shape = (B, H, L) if gates == "token" else (1, H, 1)
+    for level in (-10.0, -30.0):
+        f, b = (level + 0.5 * torch.tanh(torch.randn(shape, generator=g)) for _ in range(2))
+
+        def gate_grads(fn, dtype):
+            leaves = [x.to(dtype).to(DEVICE).requires_grad_() for x in (f, b)]
+            (fn(*(x.to(dtype) for x in (q, k, v)), *leaves).double() * w).sum().backward()
+            return [x.grad.double() for x in leaves]
+
+        ref = gate_grads(lambda *x: reference_attention(*x), torch.float64)
+        got = gate_grads(lambda *x: kernel(*x, chunk_size=16, segment_chunks=2), torch.float32)
+        for name, a, r in zip(("log_a_fwd", "log_a_bwd"), got, ref):
+            assert max_err(a, r, r.abs().max()) < 1e-5, (level, name)
+
+
+def test_kernel_takes_the_archs_head_sizes_and_refuses_larger_ones():
+    """32, 64 and 128 (the archs' head sizes) run on the kernel; a larger one is refused, naming the limit
+    (and lion_attention then falls back, as the next tests show)."""
+    from lion_fairseq.ops.kernel import MAX_HEAD_DIM, kernel_unavailable
+
+    x = torch.zeros(1, device=DEVICE)
+    for D in (32, 64, 128):
+        assert kernel_unavailable(x, (D, D)) is None, D
+    assert f"head sizes up to {MAX_HEAD_DIM}" in kernel_unavailable(x, (64, MAX_HEAD_DIM + 1))
+
+
+def test_fallbacks_go_triton_to_fla_to_torch(monkeypatch):
+    """A kernel that cannot run hands the call to fla where fla can run, else to PyTorch; fla asked for
+    where it cannot run (on CPU, say) hands it to PyTorch, with the same result; each says why."""
+    backend_mod._warn_once.cache_clear()
+    x = torch.zeros(1)
+    monkeypatch.setattr(backend_mod, "triton_unavailable", lambda x, dims: "a test's reason")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert backend_mod.chunk_backend("triton", x, (32, 32), lambda x: True, lambda x: None) == "fla"
+        assert backend_mod.chunk_backend("triton", x, (32, 32), lambda x: False, lambda x: "no fla") == "torch"
+    assert ["runs on fla" in str(w.message) for w in caught] == [True, False]
+    assert "a test's reason" in str(caught[0].message) and "runs on torch" in str(caught[1].message)
+    monkeypatch.undo()
+    inputs = make_inputs(20, "token", dtype=torch.float32)
+    if torch.cuda.is_available():
+        inputs = [t.cpu() for t in inputs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = lion_attention(*inputs, form="chunk", backend="fla", chunk_size=16)
+    assert any("flash-linear-attention cannot run here" in str(w.message) for w in caught)
+    assert torch.equal(y, lion_attention(*inputs, form="chunk", backend="torch", chunk_size=16))
 
 
 @pytest.mark.parametrize("gates,causal,dtype", [("token", False, torch.float32), ("head", False, torch.bfloat16),
