@@ -762,9 +762,9 @@ def _wrap_trainer_load_checkpoint(original):
             if isinstance(e, ValueError) and str(e).startswith("loaded state dict"):  # torch's optimizer
                 raise CheckpointError(in_launchers_terms(
                     f"cannot resume the optimizer of {filename}: it holds the state of another model's "
-                    "parameters (a softmax or converted checkpoint, or other sizes). To start a new run from its "
-                    "weights pass --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader, or "
-                    "use --finetune-from-model")) from e
+                    "parameters (another arch or other sizes, as a softmax checkpoint given to a LION model has). "
+                    "To start a new run from its weights pass --reset-optimizer --reset-lr-scheduler "
+                    "--reset-meters --reset-dataloader, or use --finetune-from-model")) from e
             raise
         trained = _TRAINED_AS.pop(str(filename), None)
         changes, teacher = changed_since_training(trained, self.cfg.model), not is_lion_config(trained)
