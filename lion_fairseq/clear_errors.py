@@ -369,8 +369,8 @@ def tpu_message(common: Any) -> Optional[str]:
     flag = "--memory-efficient-bf16" if getattr(common, "memory_efficient_bf16", False) else "--bf16"
     asked = f"{flag} (which fairseq-train turns into --tpu)" if getattr(common, "bf16", False) else "--tpu"
     return (f"{asked} runs fairseq's TPU code, and torch_xla is not installed. For bfloat16 on GPUs (or CPUs) "
-            "use fairseq-hydra-train with common.bf16=true (configs in user_dir_examples/hydra); fairseq-train's "
-            "--fp16 and --amp train in float16 instead, on GPUs")
+            "use fairseq-hydra-train with common.bf16=true (LION's configs: lion-fairseq's "
+            "user_dir_examples/hydra); fairseq-train's --fp16 and --amp train in float16 instead, on GPUs")
 
 
 def _wrap_trainer_init(original):
