@@ -55,8 +55,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     """LION attention ``y = norm((q k^T) * M) v`` with the decay mask ``M`` of the log-gates.
 
     Args:
-        q, k: ``(B, H, L, Dk)``, already feature-mapped. v: ``(B, H, L, Dv)``.
-        log_a_fwd, log_a_bwd: log-gates ``<= 0``, ``(B, H, L)`` or broadcastable (``(H, 1)`` is one
+        q, k: ``(B, H, L, Dk)``, already feature-mapped. v: ``(B, H, L, Dv)``. Floating-point tensors.
+        log_a_fwd, log_a_bwd: float log-gates ``<= 0``, ``(B, H, L)`` or broadcastable (``(H, 1)`` is one
             gate per head); ``None`` means gate 1. ``M_ij = f_{j+1}...f_i`` for ``i > j``, ``M_ii = 1``,
             ``M_ij = b_i...b_{j-1}`` for ``i < j`` (0 when ``causal``; ``log_a_bwd`` is then ignored).
         form: ``"parallel"`` (L x L matrix), ``"chunk"`` (chunkwise state passing) or ``"recurrent"``
@@ -66,7 +66,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             ``ops/fla.py``: CUDA) or ``"torch"`` (the PyTorch chunk form). None: the environment variable
             ``LION_BACKEND``, else fla on CUDA when it is installed (``LION_FLA=0`` turns that off) and
             PyTorch otherwise. A backend that cannot run says why once and falls back (``ops/backend.py``).
-        normalize: divide each row by ``sum_j A_ij + eps``.
+        normalize: divide each row by ``sum_j A_ij + eps`` (eps: a finite number >= 0).
         key_padding_mask: ``(B, L)`` bool, True at keys that must contribute nothing (an integer mask,
             nonzero there, is taken too).
         chunk_size: tokens per chunk of the chunk form.
