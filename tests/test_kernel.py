@@ -104,6 +104,8 @@ def check_against_reference(fn, inputs, ref_kw, tol_y, tol_g, rms=False, tol_gat
             continue
         assert a is not None and a.shape == inputs["q k v log_a_fwd log_a_bwd".split().index(name)].shape
         assert torch.isfinite(a).all(), name
+        if name.startswith("log") and a.shape[-1] == L > 1:  # f_0 and b_{L-1} lie on no path: exactly 0
+            assert not a[..., 0 if name == "log_a_fwd" else -1].any(), name
         tol = tol_gate if tol_gate is not None and name.startswith("log") else tol_g
         assert err(a, r, max(size(r), floor)) < tol, name
 

@@ -65,6 +65,10 @@ def test_forms_equal_reference_with_gradients(L, gates, causal, normalize):
             assert g is not None, (form, name)
             # an absolute floor: with L = 1 and normalisation, dy/dq is eps-sized and pure round-off
             assert (g.double() - rg).abs().max() <= 1e-3 * rg.abs().max() + 1e-6, (form, name)
+            # f_0 and b_{L-1} lie on no path: exactly 0 in the scans (the parallel form's cumulative sums
+            # leave round-off there)
+            if gates == "token" and name.startswith("log") and form != "parallel":
+                assert not g[..., 0 if name == "log_a_fwd" else -1].any(), (form, name)
 
 
 def test_chunk_longer_than_a_block_of_tokens(monkeypatch):
