@@ -259,9 +259,11 @@ def _wrap_load_checkpoint_to_cpu(original):
         # checked against a LION checkpoint's trained values, so not applied (equal, they change nothing)
         state = read(path, {k: v for k, v in arg_overrides.items() if k not in fixed} if fixed else arg_overrides,
                      load_on_all_ranks)
-        model = (state.get("cfg") or {}).get("model")
-        if fixed and not is_lion_config(model):  # fairseq's own options of its own models: applied, as fairseq does
+        if fixed and not is_lion_config((state.get("cfg") or {}).get("model")):
+            # fairseq's own options of its own models: applied, as fairseq applies them. Read again, as
+            # fairseq reads a legacy checkpoint's config from its args, which only its own load overrides
             state, fixed = read(path, arg_overrides, load_on_all_ranks), {}
+        model = (state.get("cfg") or {}).get("model")
         unknown = unknown_override_message(state.get("cfg"), arg_overrides or {})
         if unknown:
             raise ValueError(f"{path}: {unknown}")
