@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 from . import operator as op
 from .layer import LIMITS
 from .operator import fmt, speedup, threads_name
-from .options import fill_unset, positive_int
+from .options import default_text, fill_unset, positive_int
 from .plotting import against_length, pyplot
 
 FORMS = ("chunk", "parallel", "recurrent")
@@ -40,6 +40,8 @@ CHUNK_SIZES = [32, 64, 128]
 FLOP_LENGTHS = [1024, 4096, 16384]
 DECODE_LENGTHS = [64, 1024, 4096, 16384]
 SCALING_LENGTHS = [8192, 16384]
+# the options that --small shortens unless given: (full run, --small)
+DEFAULTS = {"lengths": (LENGTHS, [128, 256, 512, 1024]), "decode_lengths": (DECODE_LENGTHS, [])}
 # the layers whose speed-ups the README quotes, timed again on each thread count
 SCALING_CONFIGS = [("softmax", "softmax", "chunk")] + [(f"lion_{v} chunk", v, "chunk") for v in VARIANTS]
 
@@ -164,10 +166,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
-                   help=f"the layers' lengths (default {' '.join(map(str, LENGTHS))}; --small: up to 1024)")
+                   help="the layers' lengths " + default_text(DEFAULTS["lengths"]))
     p.add_argument("--decode-lengths", type=positive_int, nargs="*", default=None,
-                   help=f"decoding's context lengths (default {' '.join(map(str, DECODE_LENGTHS))}; --small or "
-                        "none given: no decoding)")
+                   help="decoding's context lengths, none given: no decoding " + default_text(DEFAULTS["decode_lengths"]))
     p.add_argument("--repeats", type=positive_int, default=2, help="timings are the best of this many runs")
     p.add_argument("--scaling-threads", type=positive_int, nargs="*", default=[1],
                    help="also time softmax and the LION chunk layers at L = 8192 and 16384, and decoding, "
@@ -177,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = p.parse_args(argv)
     flop_lengths, sizes = ([1024] if args.small else FLOP_LENGTHS), CHUNK_SIZES
-    fill_unset(args, args.small, lengths=(LENGTHS, [128, 256, 512, 1024]), decode_lengths=(DECODE_LENGTHS, []))
+    fill_unset(args, args.small, **DEFAULTS)
     scaling_lengths = [L for L in SCALING_LENGTHS if L in args.lengths] or args.lengths[-1:]
     scaling_threads = [t for t in dict.fromkeys(args.scaling_threads) if t != args.threads]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,12 @@ import torch
 from torch import nn
 
 from .operator import threads_name
-from .options import fill_unset, positive_int
+from .options import default_text, fill_unset, positive_int
 
 VOCAB = 32000  # a typical subword vocabulary: the output projection costs the same for both models
+# the options that --small shortens unless given: (full run, --small)
+DEFAULTS = {"lengths": ([64, 256, 1024, 4096, 16384], [64, 256, 1024]), "steps": (32, 8),
+            "score_blocks": ([512, 2048], [512])}
 
 
 def build(arch: str, data: Path, max_positions: int, extra: List[str]) -> Tuple[object, nn.Module]:
@@ -124,20 +127,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
-                   help="context lengths (default 64 256 1024 4096 16384; --small: 64 256 1024)")
+                   help="context lengths " + default_text(DEFAULTS["lengths"]))
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="generated tokens per context length, the first not counted where more than two (default "
-                        "32; --small: 8)")
+                   help="generated tokens per context length, the first not counted where more than two "
+                        + default_text(DEFAULTS["steps"]))
     p.add_argument("--score-blocks", type=positive_int, nargs="+", default=None,
-                   help="--tokens-per-sample of the scoring runs (default 512 2048; --small: 512)")
+                   help="--tokens-per-sample of the scoring runs " + default_text(DEFAULTS["score_blocks"]))
     p.add_argument("--score-tokens", type=positive_int, default=4096, help="tokens per scoring batch")
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--small", action="store_true",
                    help="contexts 64..1024, one scoring block (options given still apply)")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/decode"))
     args = p.parse_args(argv)
-    fill_unset(args, args.small, lengths=([64, 256, 1024, 4096, 16384], [64, 256, 1024]), steps=(32, 8),
-               score_blocks=([512, 2048], [512]))
+    fill_unset(args, args.small, **DEFAULTS)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 

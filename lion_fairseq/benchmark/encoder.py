@@ -36,13 +36,16 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .operator import speedup, threads_name
-from .options import fill_unset, positive_int
+from .options import default_text, fill_unset, positive_int
 from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
 # the paper's MLM (Large) training time relative to BERT; LION-D is LION-RETNET
 PAPER_RATIO = {"lion_lit": 0.95, "lion_d": 1.10, "lion_s": 1.32}
 ROBERTA_VOCAB = 50265
+# the options that --small shortens unless given: (full run, --small)
+DEFAULTS = {"train_lengths": ([128, 512, 2048], [128, 512]), "infer_lengths": ([4096, 16384], [1024]),
+            "steps": (2, 1), "vocab": (ROBERTA_VOCAB, 1000)}
 # like with like: LION has no attention weights to drop, and softmax attention keeps its fused kernel
 ATTENTION_DROPOUT = 0.0
 
@@ -203,16 +206,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--train-lengths", type=positive_int, nargs="+", default=None,
-                   help="default 128 512 2048 (--small: 128 512)")
+                   help=default_text(DEFAULTS["train_lengths"]))
     p.add_argument("--infer-lengths", type=positive_int, nargs="+", default=None,
-                   help="default 4096 16384 (--small: 1024)")
+                   help=default_text(DEFAULTS["infer_lengths"]))
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens a training step (batch = tokens / L)")
-    p.add_argument("--vocab", type=positive_int, default=None, help=f"default {ROBERTA_VOCAB} (--small: 1000)")
+    p.add_argument("--vocab", type=positive_int, default=None, help=default_text(DEFAULTS["vocab"]))
     p.add_argument("--lion-form", default="chunk", choices=("parallel", "chunk", "recurrent"))
     p.add_argument("--chunk-size", type=positive_int, default=64)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="timed training steps after one warm-up; best is kept (default 2; --small: 1)")
+                   help="timed training steps after one warm-up; best is kept " + default_text(DEFAULTS["steps"]))
     p.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the CUDA allocator's)")
     p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per measurement before it is given up")
     p.add_argument("--small", action="store_true",
@@ -230,8 +233,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.long and args.small:  # long_document takes neither: it would start the whole run
         p.error("--small does not shorten --long: pass --long-lengths (and --softmax-max) instead")
-    fill_unset(args, args.small, train_lengths=([128, 512, 2048], [128, 512]), infer_lengths=([4096, 16384], [1024]),
-               steps=(2, 1), vocab=(ROBERTA_VOCAB, 1000))
+    fill_unset(args, args.small, **DEFAULTS)
     if args.child:
         arch, mode, L, batch = args.child
         r = measure(arch, mode, int(L), int(batch), args.vocab, args.threads, args.lion_form, args.chunk_size,

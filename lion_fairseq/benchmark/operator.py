@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .options import fill_unset, positive_int
+from .options import default_text, fill_unset, positive_int
 from .plotting import against_length, pyplot
 from .rss import maxrss_mib, reset_peak
 
@@ -31,6 +31,9 @@ from .rss import maxrss_mib, reset_peak
 IMPLS = ("sdpa", "parallel", "chunk", "recurrent", "sdpa_bf16", "chunk_bf16")
 # what the scaling runs time at their thread counts: every speed-up the tables quote
 SCALING_IMPLS = ("sdpa", "chunk", "sdpa_bf16", "chunk_bf16")
+# the options that --small shortens unless given: (full run, --small)
+DEFAULTS = {"lengths": ([256, 1024, 2048, 4096, 16384], [256, 512, 1024, 2048]), "repeats": (3, 1),
+            "scaling_threads": ([1], [])}
 # beyond these lengths a run would not fit this machine's memory (the L x L forms) or take minutes
 # (autograd through the recurrent form's token loop stores a D x D state per token)
 LIMITS = {("parallel", "fwd"): 8192, ("parallel", "fwdbwd"): 4096, ("recurrent", "fwdbwd"): 2048,
@@ -280,7 +283,7 @@ def bf16_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
-                   help="default 256 1024 2048 4096 16384 (--small: 256 512 1024 2048)")
+                   help=default_text(DEFAULTS["lengths"]))
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--heads", type=positive_int, default=12)
@@ -288,10 +291,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--threads", type=positive_int, default=2, help="threads of the main table")
     p.add_argument("--scaling-threads", type=positive_int, nargs="*", default=None,
                    help="also time the chunk form and softmax, float32 and bfloat16, with these thread counts "
-                        "(default 1; --small: none)")
+                        + default_text(DEFAULTS["scaling_threads"]))
     p.add_argument("--chunk-size", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timings are the best of this many runs (default 3; --small: 1)")
+                   help="timings are the best of this many runs " + default_text(DEFAULTS["repeats"]))
     p.add_argument("--small", action="store_true",
                    help="L = 256..2048, one repeat, no scaling run: about a minute (options given still apply)")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmark/operator"))
@@ -305,8 +308,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     args.chunk_size, args.repeats, ["fwd", "fwdbwd"])
         print(json.dumps(r))
         return
-    fill_unset(args, args.small, lengths=([256, 1024, 2048, 4096, 16384], [256, 512, 1024, 2048]), repeats=(3, 1),
-               scaling_threads=([1], []))
+    fill_unset(args, args.small, **DEFAULTS)
     print(f"LION operator vs softmax attention: B={args.batch} H={args.heads} D={args.dim}, "
           f"{args.threads} threads, chunk {args.chunk_size}, best of {args.repeats}", flush=True)
     peaks = {t: run_child(argparse.Namespace(**dict(vars(args), threads=t)), "matmul", 0).get("gflops")

@@ -15,9 +15,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def default_text(defaults: Tuple[Any, Any]) -> str:
+    """``(default 64 256; --small: 64)``: the help's account of a ``(full, small)`` pair that ``fill_unset``
+    fills in, from the pair itself."""
+    def shown(value: Any) -> str:
+        return " ".join(map(str, value)) or "none" if isinstance(value, (list, tuple)) else str(value)
+
+    return f"(default {shown(defaults[0])}; --small: {shown(defaults[1])})"
+
+
 def fill_unset(args: argparse.Namespace, small: bool, **defaults: Tuple[Any, Any]) -> None:
     """Set each option named in ``defaults`` that the command line left None to its default: the first of
-    its pair, or with ``--small`` the second. An option given keeps its value, ``--small`` or not."""
+    its pair, or with ``--small`` the second (a list copied: the table's stays as it is). An option given keeps
+    its value, ``--small`` or not."""
     for key, (full, short) in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, short if small else full)
+            value = short if small else full
+            setattr(args, key, list(value) if isinstance(value, list) else value)
