@@ -10,7 +10,7 @@ from torch import Tensor
 from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
 from .float32 import accumulation_dtype, check_eps, check_float, float32_math
-from .gates import LOG_GATE_MIN, check_gate_shape
+from .gates import LOG_GATE_MIN, check_gate
 from .padding import bool_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
 from .parallel import parallel_attention
@@ -102,7 +102,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         key_padding_mask = bool_padding_mask(key_padding_mask)
     for log_a, name in ((log_a_fwd, "log_a_fwd"), (log_a_bwd, "log_a_bwd")):  # log_a_bwd too where causal ignores it
         if log_a is not None:
-            check_gate_shape(log_a, name, (B, H, L))
+            check_gate(log_a, name, (B, H, L))
 
     if matmul_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None, torch.float32 or torch.bfloat16; got {matmul_dtype!r}")

@@ -11,7 +11,7 @@ from torch import Tensor
 LOG_GATE_MIN = -1e4
 
 
-def check_gate_shape(log_a: Tensor, name: str, shape: Tuple[int, ...]) -> None:
+def check_gate(log_a: Tensor, name: str, shape: Tuple[int, ...]) -> None:
     """Refuse a log-gate that is not a float tensor broadcasting to ``shape`` (``(B, H, L)``, or ``(B, H)``
     for one step)."""
     if not isinstance(log_a, Tensor) or not log_a.is_floating_point():

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from .float32 import accumulation_dtype, check_eps, check_float, float32_math
-from .gates import LOG_GATE_MIN, check_gate_shape
+from .gates import LOG_GATE_MIN, check_gate
 from .padding import mask_padded_keys
 
 State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
@@ -78,7 +78,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
     check_float(q_t=q_t, k_t=k_t, v_t=v_t)
     check_eps(eps)
     if log_a_t is not None:
-        check_gate_shape(log_a_t, "log_a_t", tuple(q_t.shape[:2]))
+        check_gate(log_a_t, "log_a_t", tuple(q_t.shape[:2]))
     dtype = accumulation_dtype(v_t)
     q, k, v = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
     kv = k[..., :, None] * v[..., None, :]
