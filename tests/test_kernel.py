@@ -489,6 +489,25 @@ def test_tf32_is_read_from_either_of_torchs_settings():
             matmul.allow_tf32 = before
 
 
+def test_tf32_is_read_on_torch_before_2_2(monkeypatch):
+    """torch 2.1's ``torch.backends.cuda.matmul`` raised AssertionError, not AttributeError, for a setting it
+    does not have (``fp32_precision``): its ``allow_tf32`` still decides."""
+    from lion_fairseq.ops.kernel import tf32_matmuls
+
+    class Torch21Matmul:
+        def __init__(self, allow_tf32):
+            self.__dict__["allowed"] = allow_tf32
+
+        def __getattr__(self, name):
+            if name == "allow_tf32":
+                return self.allowed
+            raise AssertionError("Unknown attribute " + name)
+
+    for allowed in (True, False):
+        monkeypatch.setattr(torch.backends.cuda, "matmul", Torch21Matmul(allowed))
+        assert tf32_matmuls() is allowed
+
+
 def test_per_head_gate_gradient_at_long_length():
     """LION-D's gate, one per head and the same tensor for both directions, gets its gradient as
     ``sum_{i>j} (i - j) P_ij`` row by row, not as a sum over L of per-position sums that nearly cancel

@@ -672,7 +672,10 @@ def tf32_matmuls() -> bool:
     where torch has it (2.9 on), which follows both ways of setting it; reading ``allow_tf32`` there raises
     once the new way was used."""
     matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", "none")
+    try:
+        precision = matmul.fp32_precision
+    except (AttributeError, AssertionError):  # before 2.9 it has none; before 2.2 asking raised AssertionError
+        precision = "none"
     if precision != "none":
         return precision == "tf32"
     try:
