@@ -2,6 +2,8 @@
 cast the inputs of every matmul to the low precision): ``--amp`` runs the forward under autocast (fp16),
 bf16 alike. The operator keeps its sums in float32 whatever autocast does; a training step makes no host
 sync; a non-finite value in training reaches fairseq's loss scaler instead of stopping one rank."""
+import warnings
+
 import pytest
 import torch
 
@@ -31,6 +33,43 @@ def test_attention_under_autocast_is_as_accurate_as_softmax(softmax_error, varia
     sums pass fp16's 65504 from L ~ 1000: autocast must not reach the operator's matmuls."""
     err = relative_error(variant, form, L, dtype)
     assert err <= TOLERANCE[dtype] and err <= SOFTMAX_FACTOR * softmax_error[dtype], (err, softmax_error[dtype])
+
+
+def test_a_dtype_autocast_does_not_take_is_refused_not_measured_in_float32(monkeypatch):
+    """torch 2.1's CPU autocast took no float16: it warned and ran float32, whose error would have filled
+    the table's fp16 column. Autocast that stays off stands in for it."""
+    import lion_fairseq.benchmark.precision as precision
+
+    real = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda device, dtype: real(device, dtype=dtype, enabled=False))
+    with pytest.raises(RuntimeError, match="cannot autocast to fp16 on cpu"):
+        precision.relative_error("lit", "chunk", 16, "fp16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA autocast is turned off where CUDA is")
+def test_operator_turns_off_no_cuda_autocast_without_cuda(monkeypatch):
+    """torch before 2.4 warned at each ``torch.autocast("cuda")`` on a machine without CUDA, even a disabled
+    one: the ops, which turn autocast off around every call, enter none there."""
+    from lion_fairseq.modules import LionAttention
+
+    real = torch.autocast
+
+    def torch_2_1_autocast(device_type, *args, **kwargs):
+        if device_type == "cuda":
+            warnings.warn("User provided device_type of 'cuda', but CUDA is not available. Disabling")
+        return real(device_type, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", torch_2_1_autocast)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for variant in ("lit", "s"):
+            for form in ("parallel", "chunk", "recurrent"):
+                LionAttention(32, 2, variant, form=form)(x).sum().backward()
+            state = {}
+            decoder = LionAttention(32, 2, variant, causal=True)
+            decoder(x[:4], incremental_state=state)
+            decoder(x[4:5], incremental_state=state)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))

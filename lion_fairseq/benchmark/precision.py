@@ -47,10 +47,15 @@ def relative_error(kind: str, form: str, L: int, dtype: str, seed: int = 0, devi
     same module on the same input ``(L, 1, WIDTH)``. The reference of the recurrent and parallel forms at long
     L is the chunk form (the forms agree to round-off in float64, as the ops' tests check), which takes a tenth
     of a second where the scans take minutes and the float64 L x L matrices seconds."""
+    from lion_fairseq.ops.float32 import autocast_enabled
+
     module = build(kind, form, seed).to(device).eval()
     x = torch.randn(L, 1, WIDTH, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     with torch.no_grad():
         with torch.autocast(device, dtype=DTYPES[dtype]):
+            if not autocast_enabled(device):  # torch warns and runs float32, whose error would fill the column
+                raise RuntimeError(f"torch {torch.__version__} cannot autocast to {dtype} on {device} (torch 2.1's "
+                                   "CPU autocast takes bfloat16 only): upgrade torch to measure it")
             y = _call(module, x)
         reference = build(kind, "chunk" if form != "chunk" and L > 1024 else form, seed).to(device).double().eval()
         reference.load_state_dict(module.state_dict())

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..ops import (FORMS, block_attention, causal_state, is_chunk_size, lion_attention, lion_step, state_after,
                    state_before)
-from ..ops.float32 import float32_math
+from ..ops.float32 import autocast_enabled, float32_math
 from ..ops.padding import bool_padding_mask
 from ..ops.recurrent import decayed
 from .feature_maps import FEATURE_MAPS, SIGNED_FEATURE_MAPS
@@ -67,13 +67,7 @@ def linear_input(x: Tensor, layer: nn.Linear) -> Tensor:
     """``x`` in the dtype that ``layer`` multiplies in: its weights', or as it is where autocast is on
     for x's device (autocast casts it there, and a cast here would be a full-size round trip, as from
     16 bits to float32 and back under ``--amp``)."""
-    device = x.device.type
-    try:
-        autocast = torch.is_autocast_enabled(device)
-    except TypeError:  # torch < 2.4 asks per device type
-        autocast = torch.is_autocast_enabled() if device == "cuda" else (
-            device == "cpu" and torch.is_autocast_cpu_enabled())
-    return x if autocast else x.to(layer.weight.dtype)
+    return x if autocast_enabled(x.device.type) else x.to(layer.weight.dtype)
 
 
 def checked_input(x: Tensor, key_padding_mask: Optional[Tensor], embed_dim: int) -> Optional[Tensor]:

@@ -3,6 +3,7 @@
 Under fairseq's ``--amp`` the forward runs inside ``torch.autocast`` (fp16), which casts the inputs of
 every matmul to fp16 whatever their dtype, so an op that converts to float32 first would still multiply
 in fp16, and a row sum over L keys passes fp16's 65504. The ops' float32 is meant: they opt out."""
+import contextlib
 import functools
 import math
 import numbers
@@ -14,15 +15,32 @@ from torch import Tensor
 F = TypeVar("F", bound=Callable)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def float32_math(fn: F) -> F:
     """Run ``fn`` with autocast disabled on the CPU and on CUDA; its own casts then decide the dtypes."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        # without CUDA there is no CUDA autocast to turn off, and torch before 2.4 warned at every
+        # torch.autocast("cuda") there, even a disabled one
+        with torch.autocast("cpu", enabled=False), (
+                torch.autocast("cuda", enabled=False) if _cuda() else contextlib.nullcontext()):
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def autocast_enabled(device: str) -> bool:
+    """Whether autocast is on for ``device`` (``"cpu"``, ``"cuda"``, ...) here."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except TypeError:  # torch < 2.4 asks per device type
+        return torch.is_autocast_enabled() if device == "cuda" else (
+            device == "cpu" and torch.is_autocast_cpu_enabled())
 
 
 def accumulation_dtype(x: Tensor) -> torch.dtype:
