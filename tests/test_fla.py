@@ -6,6 +6,7 @@ kernel has, checks the flips, shifts and gate placement of ``fla_attention`` to 
 real Triton kernels then run on CPU under Triton's interpreter (tests/triton_interpreter.py) against the
 float64 reference, values and gradients, and at L = 32768 where fp16 would overflow. On CUDA with fla
 installed, the compiled kernels are checked against the PyTorch chunk form."""
+import re
 import sys
 import types
 
@@ -208,6 +209,26 @@ def test_missing_fla_says_what_to_install(monkeypatch):
     q, k, v, _, _ = make_inputs(3, "none")
     with pytest.raises(RuntimeError, match="fla-core"):
         fla_attention(q, k, v, None, None, causal=False)
+
+
+@pytest.mark.skipif(fla_mod.importlib.util.find_spec("fla") is None, reason="needs fla-core installed")
+@pytest.mark.parametrize("package, version", [("torch", "2.6.0+cu124"), ("triton", "3.2.0")])
+def test_fla_on_older_torch_or_triton_than_it_needs_is_not_used(monkeypatch, package, version):
+    """pip installs fla-core on any torch (its torch >= 2.7 and Triton >= 3.3 are its `cuda` extra's): on
+    older ones its kernels are not used, with one warning naming the version, and the chunk form runs in
+    PyTorch."""
+    import triton
+
+    monkeypatch.setattr({"torch": torch, "triton": triton}[package], "__version__", version)
+    monkeypatch.delenv("LION_FLA", raising=False)
+    fla_mod._load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=rf"need {package} >= .* this is {package} {re.escape(version)}"):
+            assert fla_mod._load() is None
+        cuda_like = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+        assert f"this is {package} {version}" in fla_mod.fla_unavailable(cuda_like)
+    finally:
+        fla_mod._load.cache_clear()
 
 
 # ---- fla refusing its gated backward: known from the GPU and Triton, gradients from its forward kernel ----

@@ -38,6 +38,10 @@ def _load() -> Optional[Callable]:
     """fla's ``chunk_simple_gla``, or None when it is not installed or does not import (tried once)."""
     if importlib.util.find_spec("fla") is None:
         return None
+    too_old = _older_than_fla_needs()
+    if too_old is not None:
+        warnings.warn(f"flash-linear-attention is installed, but {too_old}; LION's chunk form runs in PyTorch instead")
+        return None
     try:
         from fla.ops.simple_gla import chunk_simple_gla
     except Exception as e:  # installed but broken (say a Triton that does not fit): falling back silently would hide it
@@ -45,6 +49,25 @@ def _load() -> Optional[Callable]:
                       "LION's chunk form runs in PyTorch instead")
         return None
     return chunk_simple_gla
+
+
+# fla-core 0.6's requirements, which pip applies only to its `cuda` extra, not to the `fla-core` that
+# lion-fairseq's `fla` extra installs (fla itself only warns below Triton 3.3)
+FLA_NEEDS = {"torch": (2, 7), "triton": (3, 3)}
+
+
+def _older_than_fla_needs() -> Optional[str]:
+    """What here is older than fla's kernels need, in words, or None."""
+    versions = {"torch": torch.__version__}
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        versions["triton"] = triton.__version__
+    for name, text in versions.items():
+        if _version(text) < FLA_NEEDS[name]:
+            needed = ".".join(map(str, FLA_NEEDS[name]))
+            return f"its kernels need {name} >= {needed} and this is {name} {text}"
+    return None
 
 
 def fla_unavailable(x: Tensor) -> Optional[str]:
@@ -61,7 +84,7 @@ def fla_unavailable(x: Tensor) -> Optional[str]:
     if x.dtype not in FLA_DTYPES:
         return f"it takes float32, bfloat16 or float16 inputs; got {x.dtype}"
     if _load() is None:
-        return "flash-linear-attention is not installed (pip install fla-core)"
+        return _older_than_fla_needs() or "flash-linear-attention is not installed (pip install fla-core)"
     return None
 
 
