@@ -690,6 +690,17 @@ def test_compiled_kernel_matches_torch_chunk_form(dtype, tol, causal):
             assert rms(a, r) < tol, name
 
 
+def test_kernel_targets_says_why_it_cannot_compile(monkeypatch, capsys):
+    """With a Triton too old for the kernels (torch < 2.4 ships Triton 2, which has no ``GPUTarget``), the
+    compile check stops with the reason, not an ImportError from deep in Triton."""
+    from lion_fairseq.ops import backend, kernel_targets
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(backend, "_triton_missing", lambda: "it needs Triton >= 3.0; this is 2.1.0")
+    assert kernel_targets.main(["--arch", "90"]) == 2
+    assert "cannot be compiled here: it needs Triton >= 3.0; this is 2.1.0" in capsys.readouterr().err
+
+
 def test_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never compiles: LION-S's forward and backward launches (per-token gates both ways,
     key padding, several segments) and its feature map's, bf16 and float32 (three TF32 products each, as with TF32 off),

@@ -225,6 +225,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET: under the interpreter there is no compiler to run", file=sys.stderr)
         return 2
+    from . import backend
+
+    missing = backend._triton_missing()  # Triton 2 (torch < 2.4) has neither GPUTarget nor ASTSource
+    if missing is not None:
+        print(f"error: the kernels cannot be compiled here: {missing}", file=sys.stderr)
+        return 2
     from .kernel import configured
 
     with configured(prefetch=(True, True)) if args.prefetch else nullcontext():
