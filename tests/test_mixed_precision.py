@@ -48,18 +48,18 @@ def test_a_dtype_autocast_does_not_take_is_refused_not_measured_in_float32(monke
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA autocast is turned off where CUDA is")
 def test_operator_turns_off_no_cuda_autocast_without_cuda(monkeypatch):
-    """torch before 2.4 warned at each ``torch.autocast("cuda")`` on a machine without CUDA, even a disabled
-    one: the ops, which turn autocast off around every call, enter none there."""
+    """Older torch warned at each ``torch.autocast("cuda")`` on a machine without CUDA, even a disabled one
+    (pytorch issue 83733): the ops, which turn autocast off around every call, enter none there."""
     from lion_fairseq.modules import LionAttention
 
     real = torch.autocast
 
-    def torch_2_1_autocast(device_type, *args, **kwargs):
+    def old_torch_autocast(device_type, *args, **kwargs):
         if device_type == "cuda":
             warnings.warn("User provided device_type of 'cuda', but CUDA is not available. Disabling")
         return real(device_type, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "autocast", torch_2_1_autocast)
+    monkeypatch.setattr(torch, "autocast", old_torch_autocast)
     x = torch.randn(8, 2, 32, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -25,8 +25,8 @@ def float32_math(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        # without CUDA there is no CUDA autocast to turn off, and torch before 2.4 warned at every
-        # torch.autocast("cuda") there, even a disabled one
+        # without CUDA there is no CUDA autocast to turn off, and older torch warned at every
+        # torch.autocast("cuda") there, even a disabled one (pytorch issue 83733)
         with torch.autocast("cpu", enabled=False), (
                 torch.autocast("cuda", enabled=False) if _cuda() else contextlib.nullcontext()):
             return fn(*args, **kwargs)
