@@ -46,6 +46,35 @@ def test_a_dtype_autocast_does_not_take_is_refused_not_measured_in_float32(monke
         precision.relative_error("lit", "chunk", 16, "fp16")
 
 
+def test_autocast_is_read_on_torch_before_2_4(monkeypatch):
+    """torch before 2.4 took no device in ``torch.is_autocast_enabled`` (CUDA's) and asked for the CPU's
+    with ``is_autocast_cpu_enabled``: ``autocast_enabled``, which decides whether the attention's inputs
+    are cast to the projections' dtype, reads both there."""
+    from lion_fairseq.ops import float32
+
+    class TorchBefore24:
+        """torch as ``float32`` sees it, with the autocast queries of torch 2.3."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def is_autocast_enabled(*device):
+            if device:
+                raise TypeError("is_autocast_enabled() takes 0 positional arguments but 1 was given")
+            return torch.is_autocast_enabled("cuda")
+
+        @staticmethod
+        def is_autocast_cpu_enabled():
+            return torch.is_autocast_enabled("cpu")
+
+    monkeypatch.setattr(float32, "torch", TorchBefore24())
+    assert not float32.autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert float32.autocast_enabled("cpu") and not float32.autocast_enabled("cuda")
+        assert not float32.autocast_enabled("meta")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA autocast is turned off where CUDA is")
 def test_operator_turns_off_no_cuda_autocast_without_cuda(monkeypatch):
     """Older torch warned at each ``torch.autocast("cuda")`` on a machine without CUDA, even a disabled one
