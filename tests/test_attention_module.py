@@ -141,6 +141,41 @@ def test_layers_put_their_norms_and_activation_where_fairseq_does(kind, normaliz
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("normalize_before", [True, False], ids=["pre-norm", "post-norm"])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_layers_put_their_dropout_where_fairseq_does(kind, normalize_before):
+    """In training, ``dropout`` drops the attention's and the FFN's outputs before each residual sum (never
+    the residual) and ``activation_dropout`` drops inside the FFN: written out with the layer's own dropout
+    modules, drawing the same masks in the same order."""
+    from lion_fairseq.modules.decoder_layer import LionDecoderLayer
+    from lion_fairseq.modules.encoder_layer import LionEncoderLayer
+
+    torch.manual_seed(0)
+    attention, drops = dict(variant="s", chunk_size=4), dict(dropout=0.3, activation_dropout=0.4)
+    if kind == "encoder":
+        layer = LionEncoderLayer(C, H, 32, attention, normalize_before=normalize_before, **drops)
+    else:
+        layer = LionDecoderLayer(C, 32, H, attention, normalize_before=normalize_before, **drops)
+    layer = layer.double().train()
+    x = torch.randn(T, B, C, dtype=torch.double)
+    ln1, ln2, attn, drop = layer.self_attn_layer_norm, layer.final_layer_norm, layer.self_attn, layer.dropout_module
+
+    def ffn(h):
+        return layer.fc2(layer.activation_dropout_module(layer.activation_fn(layer.fc1(h))))
+
+    torch.manual_seed(1)
+    got = layer(x)
+    torch.manual_seed(1)
+    if normalize_before:
+        h = x + drop(attn(ln1(x)))
+        expected = h + drop(ffn(ln2(h)))
+    else:
+        h = ln1(x + drop(attn(x)))
+        expected = ln2(h + drop(ffn(h)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, layer.eval()(x))  # the masks dropped something
+
+
 def test_attention_dropout_drops_in_training_only():
     """``--attention-dropout`` drops the heads' mixed values in training (two passes differ where nothing
     else drops) and nothing in evaluation."""
