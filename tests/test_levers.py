@@ -132,6 +132,20 @@ def test_right_padded_prompt_then_steps():
     torch.testing.assert_close(step[:, :1], expect, rtol=1e-6, atol=1e-7)
 
 
+def test_padded_step_leaves_the_state_as_it_was():
+    """A decoding step at a padded position (a row of the batch that waits) changes no state, the
+    convolution's cache included: its next real step equals one taken without the padded step."""
+    m = attention(LEVERS["all"], True)
+    x = torch.randn(7, 2, C, dtype=torch.double)
+    waited, direct = {}, {}
+    m(x[:5], incremental_state=waited)
+    m(x[:5], incremental_state=direct)
+    m(x[5:6], key_padding_mask=torch.tensor([[True], [False]]), incremental_state=waited)
+    after_pad = m(x[6:7], incremental_state=waited)
+    torch.testing.assert_close(after_pad[:, 0], m(x[6:7], incremental_state=direct)[:, 0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(after_pad[:, 1], m(x)[-1, 1:], rtol=1e-6, atol=1e-7)  # the other row stepped
+
+
 @pytest.mark.parametrize("variant", ["s", "d"])
 @pytest.mark.parametrize("block", [1, 3, 5, 16])
 def test_blockwise_equals_forward(block, variant):
