@@ -507,6 +507,31 @@ def test_errors_name_the_file_line_or_option(tmp_path, capsys):
         task.build_criterion(OmegaConf.create({"_name": "cross_entropy"}))
 
 
+def test_task_truncates_to_max_positions_and_refuses_labels_past_num_classes(tmp_path):
+    """``--max-positions`` below the data's length cuts every example to it; a label equal to
+    ``--num-classes`` (classes are 0 to N-1) is refused, not trained on."""
+    from lion_fairseq.tasks.lra import LRAListOpsConfig, LRAListOpsTask
+
+    tsv = tmp_path / "tsv"
+    tsv.mkdir()
+    for split in ("train", "val", "test"):
+        (tsv / f"basic_{split}.tsv").write_text("Source\tTarget\n( [SM 1 2 3 4 5 6 7 8 ] )\t6\n"
+                                                "( [MAX 1 3 ] )\t3\n")
+    data = str(_preprocess("listops", "--input-dir", str(tsv), "--destdir", str(tmp_path / "bin")))
+    def lengths(**cfg):
+        task = LRAListOpsTask.setup_task(LRAListOpsConfig(data=data, seed=1, num_classes=7, **cfg))
+        task.load_dataset("train")
+        ds = task.dataset("train")
+        return sorted(ds[i]["net_input.src_tokens"].numel() for i in range(2)), max(ds.size(i) for i in range(2))
+
+    (short, long), _ = lengths()
+    assert short < 8 < long
+    assert lengths(max_positions=8) == ([short, 8], 8)
+    task = LRAListOpsTask.setup_task(LRAListOpsConfig(data=data, seed=1, num_classes=6))
+    with pytest.raises(ValueError, match="label 6 with --num-classes 6"):
+        task.load_dataset("train")
+
+
 def test_classification_criterion_reports_bits_and_accuracy():
     """lion_classification logs the loss in bits per sequence and the share of argmax hits, in percent, over
     every batch of a validation."""
