@@ -302,6 +302,30 @@ def test_attention_transfer_loss_falls(roberta, text_data_bin):
     assert share() < 0.7 * first
 
 
+def test_attention_transfer_leaves_padding_out(roberta, text_data_bin):
+    """The loss and its logged error over a padded batch are those of its sequences alone, token-weighted:
+    padding neither reaches the student's attention nor counts as tokens."""
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    task, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *SIZE, "--tokens-per-sample",
+                              "32", "--max-positions", "32", "--dropout", "0")
+    model.load_state_dict(torch.load(roberta, map_location="cpu", weights_only=False)["model"], strict=True)
+    criterion = CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))
+    task.load_dataset("valid")
+    ds = task.dataset("valid")
+    by_length = sorted(range(len(ds)), key=lambda i: ds[i]["net_input.src_tokens"].numel())
+    items = [ds[by_length[0]], ds[by_length[-1]]]
+    assert items[0]["net_input.src_tokens"].numel() < items[1]["net_input.src_tokens"].numel()
+    model.eval()
+    with torch.no_grad():
+        loss, _, log = criterion(model, ds.collater(items))
+        alone = [criterion(model, ds.collater([item])) for item in items]
+    tokens = [item["net_input.src_tokens"].numel() for item in items]
+    for key in ("rel_num", "rel_den"):
+        torch.testing.assert_close(log[key], sum(a[2][key] for a in alone), rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss * sum(tokens), sum(a[0] * n for a, n in zip(alone, tokens)), rtol=1e-5, atol=0)
+
+
 def test_attention_transfer_refuses_a_student_that_did_not_start_from_the_teacher(roberta, text_data_bin, tmp_path):
     """Without --finetune-from-model the student's v and output projections are random and stay frozen: the
     transfer ran, its rel_err near 1.8, without a word. It stops naming the option."""
@@ -313,6 +337,10 @@ def test_attention_transfer_refuses_a_student_that_did_not_start_from_the_teache
 
 
 def test_attention_transfer_refuses_unknown_parts(roberta, text_data_bin, tmp_path):
+    from lion_fairseq.criterions.attention_transfer import trained_parts
+
+    with pytest.raises(ValueError, match="--transfer-params"):
+        trained_parts(" , ")  # nothing to train: the run would change nothing
     with pytest.raises(AssertionError, match="--transfer-params"):
         fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_s_tiny", *SIZE,
                     "--criterion", "lion_attention_transfer", "--teacher", str(roberta), "--transfer-params", "q,k",
