@@ -464,6 +464,44 @@ def test_eval_lm_advice_follows_the_break_mode():
     assert over_long_message(np.array([10, 64]), 64, 64, "eos") is None
 
 
+def test_language_modeling_wrappers_explain_only_their_own_cases(caplog):
+    """The plugin's wrappers of fairseq's language_modeling task step in where they have something to say
+    and nowhere else: eval-lm stops on over-long samples only where --tokens-per-sample made them (under
+    --sample-break-mode eos whole lines are, and it warns), and a model's failure to build is explained only
+    where the model is no causal LM and failed as fairseq fails on one."""
+    from types import SimpleNamespace
+
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from lion_fairseq.clear_errors import _wrap_eval_lm_dataloader, _wrap_language_model_build
+
+    dataloader = _wrap_eval_lm_dataloader(lambda self, dataset, *args, **kwargs: "batches")
+    task = SimpleNamespace(args=SimpleNamespace(tokens_per_sample=64, sample_break_mode="eos"))
+    lines = SimpleNamespace(sizes=np.array([10, 70]))
+    with caplog.at_level("WARNING"):
+        assert dataloader(task, lines, max_positions=64) == "batches"
+    assert "1 of 2 samples are longer than the model's 64 positions" in caplog.text
+    task.args.tokens_per_sample = 65
+    with pytest.raises(ValueError, match="1 of 2 samples are longer"):
+        dataloader(task, lines, max_positions=64)
+
+    def failing(error):
+        def build_model(self, cfg, *args, **kwargs):
+            raise error
+        return _wrap_language_model_build(build_model)
+
+    encoder, lm = SimpleNamespace(_name="lion_s_tiny"), SimpleNamespace(_name="lion_s_lm_tiny")
+    assert "lion_s_lm_tiny" in ARCH_MODEL_REGISTRY
+    with pytest.raises(ValueError, match="holds a lion_roberta model") as err:
+        failing(ValueError("Unsupported language modeling target: future"))(None, encoder)
+    assert "language modeling target" in str(err.value.__cause__)
+    with pytest.raises(ValueError, match="^the encoder's own failure$"):  # not hidden behind the advice
+        failing(ValueError("the encoder's own failure"))(None, encoder)
+    for cfg in (lm, SimpleNamespace(_name="transformer_lm")):  # language models: fairseq's error as it is
+        with pytest.raises(AttributeError, match="^x$"):
+            failing(AttributeError("x"))(None, cfg)
+
+
 def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
     """The hub's sample() on LION-LIT's 64 learned positions: a longer prompt is refused naming them and
     what to do (fairseq's message named a command-line option the hub has not) or skipped when asked; a
@@ -615,4 +653,4 @@ def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_d
     assert model["lion_feature_map"] is None and model["lion_positions"] is None  # the arch decided
     assert LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_form="recurrent",
                                              lion_variant=model["lion_variant"], lion_feature_map="silu_norm",
-                                             lion_positions="none", lion_gate_temperature=1, lion_short_conv=0)
+                                             lion_positions="none", lion_gate_temperature="1.0", lion_short_conv=0)

@@ -504,6 +504,39 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lion_fairseq.check_checkpoint", str(intact), str(broken)], env=ENV,
                           cwd=str(Path(USER_DIR).parent), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "--user-dir" in proc.stdout and "truncated or corrupt" in proc.stdout, proc
+    # the complete checkpoints are named newest first: the one to resume from leads
+    newer = tmp_path / f"checkpoint_2_{UPDATES}.pt"
+    newer.write_bytes(data)
+    os.utime(intact, (1e9, 1e9))
+    msg = str(clear_errors.checkpoint_file_error(str(broken), EOFError()))
+    assert str(newer) in msg and msg.index(str(newer)) < msg.index(str(intact)), msg
+
+
+def test_load_errors_that_are_not_the_files_come_through_or_are_explained():
+    """fairseq's checkpoint reader failing for another reason than the file's bytes (a size mismatch, say)
+    is not called a corrupt file; and where fairseq's trainer hides a ValueError of the plugin's (a teacher's
+    weights that fit no model of this kind) behind 'ensure that the architectures match', that ValueError
+    is what the user reads last."""
+    from types import SimpleNamespace
+
+    def reader(path, arg_overrides=None, load_on_all_ranks=False):
+        raise RuntimeError("size mismatch for decoder.embed_tokens.weight")
+
+    with pytest.raises(RuntimeError, match="^size mismatch for decoder.embed_tokens.weight$"):
+        clear_errors._wrap_load_checkpoint_to_cpu(reader)(__file__)
+
+    def load_checkpoint(self, filename, *args, **kwargs):
+        try:
+            raise ValueError("the teacher's attention is 64 wide and this model's 128")
+        except ValueError as e:
+            raise Exception(f"Cannot load model parameters from checkpoint {filename}; please ensure that the "
+                            "architectures match.") from e
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(checkpoint=SimpleNamespace(restore_file="checkpoint_last.pt"),
+                                                  model=SimpleNamespace(_name="lion_s_tiny")))
+    with pytest.raises(clear_errors.CheckpointError, match="cannot start from teacher.pt: the teacher's attention "
+                                                           "is 64 wide and this model's 128"):
+        clear_errors._wrap_trainer_load_checkpoint(load_checkpoint)(trainer, "teacher.pt")
 
 
 def test_numpy_scores_load_and_a_refused_object_is_not_called_corrupt(runs, tmp_path):
