@@ -607,6 +607,7 @@ def test_lion_override_on_a_softmax_checkpoint_is_ignored_as_fairseq_does(caplog
     lion = OmegaConf.create({"model": {"_name": "lion_roberta", "lion_variant": "s", "lion_form": "chunk",
                                        "encoder_layerdrop": 0.0}, "generation": {"beam": 5}})
     assert "'lion_forms' (did you mean 'lion_form')" in unknown_override_message(lion, {"lion_forms": "recurrent"})
+    assert "'lion_temperature' (not an option of this model)" in unknown_override_message(lion, {"lion_temperature": 2})
     for config in (softmax, lion):
         assert unknown_override_message(config, {"generation_args": {"beam": 2}, "load_checkpoint_heads": True,
                                                  "decoder_layerdrop": 0.0, "encoder_layerdrop": 0.0}) is None
