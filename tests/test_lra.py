@@ -127,6 +127,8 @@ def test_two_scan_differs_from_one_scan_only_through_the_masks():
 def test_two_scan_refuses_a_sequence_of_the_wrong_size():
     with pytest.raises(ValueError, match="3x4 grid"):
         _two_scan("s")(torch.randn(11, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="two-scan attention is bidirectional"):  # else it ran bidirectional
+        _two_scan("s", causal=True)
 
 
 # ---- generators -----------------------------------------------------------------------------------------
