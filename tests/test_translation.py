@@ -74,6 +74,21 @@ def test_beam_search_scores_equal_the_teacher_forced_pass(mt_data, variant, cros
                                            atol=1e-4, rtol=1e-4)
 
 
+def test_decoder_self_attention_leaves_left_padding_out():
+    """fairseq's decoder passes its self-attention the targets' padding mask: with --left-pad-target the pads
+    come first, and the real tokens' outputs are those of the sequence without them."""
+    from lion_fairseq.modules.seq2seq_attention import LionSelfAttention
+
+    torch.manual_seed(0)
+    m = LionSelfAttention(16, 2, variant="s").double()
+    x = torch.randn(7, 2, 16, dtype=torch.double)
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[0, :3] = True
+    out, _ = m(x, x, x, key_padding_mask=mask)
+    torch.testing.assert_close(out[3:, :1], m(x[3:, :1])[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out[:, 1:], m(x[:, 1:])[0], rtol=1e-6, atol=1e-7)
+
+
 def test_alignment_is_refused_where_linear_cross_attention_forms_no_weights(mt_data):
     """--print-alignment reads the decoder's attention over the source: softmax cross-attention aligns;
     linear cross-attention forms no such weights, where fairseq failed transposing an empty tensor
