@@ -326,6 +326,22 @@ def test_attention_transfer_leaves_padding_out(roberta, text_data_bin):
     torch.testing.assert_close(loss * sum(tokens), sum(a[0] * n for a, n in zip(alone, tokens)), rtol=1e-5, atol=0)
 
 
+def test_attention_transfer_of_every_part_starts_from_any_student(roberta, text_data_bin):
+    """Where --transfer-params trains v_proj and out_proj too, nothing stays frozen at random values: a
+    student that did not start from the teacher trains, where the default parts stop it."""
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    task, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny", *SIZE, "--tokens-per-sample",
+                              "32", "--max-positions", "32")
+    task.load_dataset("valid")
+    batch = task.dataset("valid").collater([task.dataset("valid")[i] for i in range(2)])
+    every = CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta),
+                                                          transfer_params="q_proj,k_proj,v_proj,out_proj,gate")
+    assert torch.isfinite(every(model, batch)[0])
+    with pytest.raises(ValueError, match="did not start from the teacher"):
+        CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))(model, batch)
+
+
 def test_attention_transfer_refuses_a_student_that_did_not_start_from_the_teacher(roberta, text_data_bin, tmp_path):
     """Without --finetune-from-model the student's v and output projections are random and stay frozen: the
     transfer ran, its rel_err near 1.8, without a word. It stops naming the option."""
