@@ -125,6 +125,9 @@ def test_builds_from_the_parsers_namespace_as_from_its_config(mt_data):
 def test_decoder_state_is_the_same_after_5_and_500_target_tokens(mt_data, cross):
     task, model = build(mt_data, "s", cross, "--max-target-positions", "1024")
     sample = batch(task, 3)
+    reads = []  # linear cross-attention reads the source once per sentence, into its state
+    for layer in model.decoder.layers:
+        layer.encoder_attn.k_proj.register_forward_hook(lambda *_: reads.append(1))
     with torch.no_grad():
         enc = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
         shapes = []
@@ -137,6 +140,8 @@ def test_decoder_state_is_the_same_after_5_and_500_target_tokens(mt_data, cross)
             shapes.append({k: tuple(v.shape) for k, d in state.items() for k2, v in d.items()
                            if torch.is_tensor(v) for k in [f"{k}:{k2}"]})
     assert shapes[0] == shapes[1], shapes  # nothing grows with the target
+    if cross == "linear":
+        assert len(reads) == 2 * len(model.decoder.layers), len(reads)
     # softmax cross-attention keeps the source's keys and values, linear its (S, z) only
     source = sample["net_input"]["src_tokens"].shape[1]
     assert any(source in s for s in shapes[1].values()) == (cross == "softmax"), (source, shapes[1])
