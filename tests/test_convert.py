@@ -554,12 +554,24 @@ def test_lm_a_different_structure_is_refused_naming_the_option(transformer_lm, t
         model.load_state_dict(state, strict=True)
 
 
+def test_teacher_flags_leave_out_the_switches_the_user_gave_in_either_spelling():
+    """The printed command gives the teacher's structure except where the user chose it: a pre-norm teacher
+    and --no-decoder-normalize-before print neither spelling of the switch beside the user's."""
+    from lion_fairseq.convert import TARGETS, teacher_flags
+
+    lm = TARGETS["lion_lm"]
+    assert teacher_flags({"decoder_normalize_before": True}, lm, []) == ["--decoder-normalize-before"]
+    assert teacher_flags({"decoder_normalize_before": True}, lm, ["--no-decoder-normalize-before"]) == []
+    assert teacher_flags({"decoder_normalize_before": False}, lm, ["--decoder-normalize-before"]) == []
+
+
 def test_check_checkpoint_says_why_a_teacher_cannot_convert(transformer_lm, tmp_path):
     """fairseq's transformer_lm with its default --decoder-input-dim 512 at another width: check_checkpoint
     recommended the conversion that then refused it."""
     from lion_fairseq.check_checkpoint import explain
 
     assert "python -m lion_fairseq.convert" in explain(str(transformer_lm))
+    assert "--arch lion_s_lm" in explain(str(transformer_lm))  # an LM's LION, not translation's (its prefix)
     state = torch.load(transformer_lm, map_location="cpu", weights_only=False)
     state["model"]["decoder.project_in_dim.weight"] = torch.zeros(64, 512)
     torch.save(state, tmp_path / "projected.pt")
