@@ -269,6 +269,21 @@ def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path)
     assert typed.startswith("--memory-efficient-bf16 (which fairseq-train turns into --tpu)"), typed
 
 
+def test_tpu_runs_are_left_to_fairseq_where_torch_xla_is(monkeypatch):
+    """On a TPU host (torch_xla installed) --tpu and fairseq-train's --bf16 run fairseq's TPU code: the
+    plugin refuses them only without torch_xla."""
+    import importlib.util
+
+    from lion_fairseq.clear_errors import tpu_message
+
+    run = argparse.Namespace(tpu=True, bf16=True, memory_efficient_bf16=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch_xla" else real(name, *a))
+    assert tpu_message(run) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else real(name, *a))
+    assert tpu_message(run).startswith("--bf16 (which fairseq-train turns into --tpu)")
+
+
 # ---- precision ------------------------------------------------------------------------------------------
 
 LONG = 4096
