@@ -509,9 +509,10 @@ def test_errors_name_the_file_line_or_option(tmp_path, capsys):
         task.build_criterion(OmegaConf.create({"_name": "cross_entropy"}))
 
 
-def test_task_truncates_to_max_positions_and_refuses_labels_past_num_classes(tmp_path):
+def test_task_options_cut_refuse_and_keep_the_order(tmp_path):
     """``--max-positions`` below the data's length cuts every example to it; a label equal to
-    ``--num-classes`` (classes are 0 to N-1) is refused, not trained on."""
+    ``--num-classes`` (classes are 0 to N-1) is refused, not trained on; ``--no-shuffle`` keeps the file's
+    order among examples of one length."""
     from lion_fairseq.tasks.lra import LRAListOpsConfig, LRAListOpsTask
 
     tsv = tmp_path / "tsv"
@@ -529,6 +530,15 @@ def test_task_truncates_to_max_positions_and_refuses_labels_past_num_classes(tmp
     (short, long), _ = lengths()
     assert short < 8 < long
     assert lengths(max_positions=8) == ([short, 8], 8)
+    # --no-shuffle: examples of one length in the file's order, whatever the seed
+    for split in ("train", "val", "test"):
+        (tsv / f"basic_{split}.tsv").write_text("Source\tTarget\n" + "".join(f"( [MAX {d} 1 ] )\t{d}\n"
+                                                                            for d in range(1, 7)))
+    data = str(_preprocess("listops", "--input-dir", str(tsv), "--destdir", str(tmp_path / "same_length")))
+    for seed in (1, 2, 3):
+        task = LRAListOpsTask.setup_task(LRAListOpsConfig(data=data, seed=seed, no_shuffle=True))
+        task.load_dataset("train")
+        assert list(task.dataset("train").ordered_indices()) == list(range(6)), seed
     task = LRAListOpsTask.setup_task(LRAListOpsConfig(data=data, seed=1, num_classes=6))
     with pytest.raises(ValueError, match="label 6 with --num-classes 6"):
         task.load_dataset("train")
