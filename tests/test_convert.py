@@ -554,6 +554,16 @@ def test_lm_a_different_structure_is_refused_naming_the_option(transformer_lm, t
         model.load_state_dict(state, strict=True)
 
 
+def test_convert_prints_the_options_given_after_the_arch(roberta, tmp_path, capsys):
+    """Options of the arch given to the conversion build the converted model, and the printed fairseq-train
+    command passes them too: without them it would build another model from the file."""
+    from lion_fairseq import convert
+
+    assert convert.main([str(roberta), str(tmp_path / "lion.pt"), "--arch", "lion_s_tiny", "--lion-short-conv", "3"]) == 0
+    assert "--lion-short-conv 3" in capsys.readouterr().out
+    assert torch.load(tmp_path / "lion.pt", weights_only=True)["cfg"]["model"]["lion_short_conv"] == 3
+
+
 def test_teacher_flags_leave_out_the_switches_the_user_gave_in_either_spelling():
     """The printed command gives the teacher's structure except where the user chose it: a pre-norm teacher
     and --no-decoder-normalize-before print neither spelling of the switch beside the user's."""
