@@ -35,6 +35,18 @@ def test_attention_under_autocast_is_as_accurate_as_softmax(softmax_error, varia
     assert err <= TOLERANCE[dtype] and err <= SOFTMAX_FACTOR * softmax_error[dtype], (err, softmax_error[dtype])
 
 
+def test_unnormalised_fp16_module_keeps_its_sums_in_float32():
+    """``--fp16`` with ``--no-lion-normalize --lion-norm-after``: a half-precision module's unnormalised sums
+    over L keys pass fp16's 65504 at L = 2048, and stay finite only because its values are taken in float32."""
+    from lion_fairseq.modules import LionAttention
+
+    torch.manual_seed(0)
+    m = LionAttention(32, 2, "lit", normalize=False, norm_after=True, feature_map="elu").half().eval()
+    with torch.no_grad():
+        y = m((torch.randn(2048, 1, 32) * 4).half())
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+
+
 def test_a_dtype_autocast_does_not_take_is_refused_not_measured_in_float32(monkeypatch):
     """torch 2.1's CPU autocast took no float16: it warned and ran float32, whose error would have filled
     the table's fp16 column. Autocast that stays off stands in for it."""
