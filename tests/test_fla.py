@@ -222,6 +222,7 @@ def test_fla_on_older_torch_or_triton_than_it_needs_is_not_used(monkeypatch, pac
     monkeypatch.setattr({"torch": torch, "triton": triton}[package], "__version__", version)
     monkeypatch.delenv("LION_FLA", raising=False)
     fla_mod._load.cache_clear()
+    fla_mod._not_loaded_reason.cache_clear()
     try:
         with pytest.warns(UserWarning, match=rf"need {package} >= .* this is {package} {re.escape(version)}"):
             assert fla_mod._load() is None
@@ -229,6 +230,7 @@ def test_fla_on_older_torch_or_triton_than_it_needs_is_not_used(monkeypatch, pac
         assert f"this is {package} {version}" in fla_mod.fla_unavailable(cuda_like)
     finally:
         fla_mod._load.cache_clear()
+        fla_mod._not_loaded_reason.cache_clear()
 
 
 # ---- fla refusing its gated backward: known from the GPU and Triton, gradients from its forward kernel ----

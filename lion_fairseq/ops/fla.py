@@ -84,8 +84,15 @@ def fla_unavailable(x: Tensor) -> Optional[str]:
     if x.dtype not in FLA_DTYPES:
         return f"it takes float32, bfloat16 or float16 inputs; got {x.dtype}"
     if _load() is None:
-        return _older_than_fla_needs() or "flash-linear-attention is not installed (pip install fla-core)"
+        return _not_loaded_reason()
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _not_loaded_reason() -> str:
+    """Why ``_load`` found no kernel (asked once: ``fla_unavailable`` runs at every call of the chunk form)."""
+    too_old = _older_than_fla_needs() if importlib.util.find_spec("fla") is not None else None
+    return too_old or "flash-linear-attention is not installed (pip install fla-core)"
 
 
 def fla_available(x: Tensor) -> bool:
