@@ -277,15 +277,21 @@ def test_attention_transfer_trains_only_the_chosen_parts(roberta, text_data_bin,
     assert moved == expect
 
 
-def test_attention_transfer_loss_falls(roberta, text_data_bin):
-    """On one batch, Adam on what the criterion trains: the share of the teacher's attention output that
-    the LION attentions do not reproduce falls."""
+def converted_student(roberta, text_data_bin):
+    """(task, model, criterion): a LION-D student holding the RoBERTa teacher's weights, and the transfer
+    criterion towards that teacher."""
     from fairseq.criterions import CRITERION_REGISTRY
 
     task, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *SIZE, "--tokens-per-sample",
                               "32", "--max-positions", "32", "--dropout", "0")
     model.load_state_dict(torch.load(roberta, map_location="cpu", weights_only=False)["model"], strict=True)
-    criterion = CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))
+    return task, model, CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))
+
+
+def test_attention_transfer_loss_falls(roberta, text_data_bin):
+    """On one batch, Adam on what the criterion trains: the share of the teacher's attention output that
+    the LION attentions do not reproduce falls."""
+    task, model, criterion = converted_student(roberta, text_data_bin)
     task.load_dataset("valid")
     batch = task.dataset("valid").collater([task.dataset("valid")[i] for i in range(8)])
     opt = torch.optim.Adam([p for p in model.parameters()], lr=3e-3)
@@ -305,12 +311,7 @@ def test_attention_transfer_loss_falls(roberta, text_data_bin):
 def test_attention_transfer_leaves_padding_out(roberta, text_data_bin):
     """The loss and its logged error over a padded batch are those of its sequences alone, token-weighted:
     padding neither reaches the student's attention nor counts as tokens."""
-    from fairseq.criterions import CRITERION_REGISTRY
-
-    task, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *SIZE, "--tokens-per-sample",
-                              "32", "--max-positions", "32", "--dropout", "0")
-    model.load_state_dict(torch.load(roberta, map_location="cpu", weights_only=False)["model"], strict=True)
-    criterion = CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))
+    task, model, criterion = converted_student(roberta, text_data_bin)
     task.load_dataset("valid")
     ds = task.dataset("valid")
     by_length = sorted(range(len(ds)), key=lambda i: ds[i]["net_input.src_tokens"].numel())
@@ -580,8 +581,9 @@ def test_check_checkpoint_says_why_a_teacher_cannot_convert(transformer_lm, tmp_
     recommended the conversion that then refused it."""
     from lion_fairseq.check_checkpoint import explain
 
-    assert "python -m lion_fairseq.convert" in explain(str(transformer_lm))
-    assert "--arch lion_s_lm" in explain(str(transformer_lm))  # an LM's LION, not translation's (its prefix)
+    text = explain(str(transformer_lm))
+    assert "python -m lion_fairseq.convert" in text
+    assert "--arch lion_s_lm" in text  # an LM's LION, not translation's (its prefix)
     state = torch.load(transformer_lm, map_location="cpu", weights_only=False)
     state["model"]["decoder.project_in_dim.weight"] = torch.zeros(64, 512)
     torch.save(state, tmp_path / "projected.pt")
