@@ -701,6 +701,21 @@ def test_kernel_targets_says_why_it_cannot_compile(monkeypatch, capsys):
     assert "cannot be compiled here: it needs Triton >= 3.0; this is 2.1.0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("version, too_old", [("2.3.1", True), ("3.0.0", False), ("3.6.0+git9a8b7c6", False)])
+def test_triton_older_than_the_kernels_need_is_named(monkeypatch, version, too_old):
+    """Torch < 2.4 ships Triton 2, whose ``tl.dot`` lacks the kernels' ``input_precision``: the kernel then
+    says which Triton it found, and a source build's version (``3.6.0+git...``) reads as its numbers."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    backend_mod._triton_missing.cache_clear()
+    try:
+        reason = backend_mod._triton_missing()
+    finally:
+        backend_mod._triton_missing.cache_clear()
+    assert (reason == f"it needs Triton >= 3.0; this is {version}") if too_old else reason is None
+
+
 def test_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never compiles: LION-S's forward and backward launches (per-token gates both ways,
     key padding, several segments) and its feature map's, bf16 and float32 (three TF32 products each, as with TF32 off),

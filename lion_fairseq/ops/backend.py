@@ -25,6 +25,11 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
+def version_numbers(text: str) -> Tuple[int, ...]:
+    """The numbers that lead a version string, at most three: ``"3.6.0+git1a2b"`` -> ``(3, 6, 0)``."""
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_missing() -> Optional[str]:
     """Why Triton cannot be used at all here, or None (asked once)."""
@@ -32,8 +37,7 @@ def _triton_missing() -> Optional[str]:
         return "Triton is not installed (it comes with CUDA builds of PyTorch)"
     import triton
 
-    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
-    if version < MIN_TRITON:
+    if version_numbers(triton.__version__) < MIN_TRITON:
         return f"it needs Triton >= {'.'.join(map(str, MIN_TRITON))}; this is {triton.__version__}"
     return None
 

@@ -18,14 +18,15 @@ projections' and FFN's ``12 C``, 6% at C = 768 with chunks of 64 and D = 64."""
 import functools
 import importlib.util
 import os
-import re
 import warnings
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from .backend import version_numbers
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the normaliser's column of ones makes Dv odd (65 for D = 64): zero columns up to a multiple of 8 keep
@@ -64,7 +65,7 @@ def _older_than_fla_needs() -> Optional[str]:
 
         versions["triton"] = triton.__version__
     for name, text in versions.items():
-        if _version(text) < FLA_NEEDS[name]:
+        if version_numbers(text) < FLA_NEEDS[name]:
             needed = ".".join(map(str, FLA_NEEDS[name]))
             return f"its kernels need {name} >= {needed} and this is {name} {text}"
     return None
@@ -100,10 +101,6 @@ def fla_available(x: Tensor) -> bool:
     return fla_unavailable(x) is None
 
 
-def _version(text: str) -> Tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
-
-
 def fla_backward_refused(x: Tensor) -> Optional[str]:
     """Why fla's own backward of a *gated* call (per-token or per-head decay: LION-D and LION-S) cannot run
     on ``x``'s device, or None. fla 0.6 raises there on Hopper GPUs with 3.4 <= Triton < 3.7.1, whose
@@ -115,7 +112,7 @@ def fla_backward_refused(x: Tensor) -> Optional[str]:
     import triton
 
     major, _ = torch.cuda.get_device_capability(x.device)
-    if major == 9 and (3, 4) <= _version(triton.__version__) < (3, 7, 1):
+    if major == 9 and (3, 4) <= version_numbers(triton.__version__) < (3, 7, 1):
         return (f"flash-linear-attention's gated backward is wrong on Hopper GPUs with Triton {triton.__version__} "
                 "(fla issue #640)")
     return None
