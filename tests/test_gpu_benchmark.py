@@ -229,6 +229,15 @@ def test_report_has_every_table(tmp_path):
     assert gpu.json.loads((tmp_path / "gpu.json").read_text())["timing"][0]["B"] == 32
 
 
+def test_rates_are_read_against_the_gpu_that_ran():
+    """A loan may be an H100 (3.35 TB/s) as well as an H200 (4.8 TB/s): the rates table names the peaks of
+    the GPU torch reports, and says so where it knows none."""
+    assert "3.35 TB/s" in gpu.rates_line("NVIDIA H100 80GB HBM3")
+    assert "2.00 TB/s, 756 dense" in gpu.rates_line("NVIDIA H100 PCIe")
+    assert "H200's data sheet): 4.80 TB/s, 989 dense" in gpu.rates_line("NVIDIA H200")
+    assert "no data sheet known for 'NVIDIA A100-SXM4-80GB'; an H200's" in gpu.rates_line("NVIDIA A100-SXM4-80GB")
+
+
 def test_mixed_precision_training_part_trains_and_compares_the_forms(tmp_path, one_thread):
     """``--mixed-precision-runs``' harness in float32 on CPU: a real fairseq-train, then the checkpoint's
     loss in every form and chunk-form backend."""

@@ -50,8 +50,14 @@ FEATURE_MAP = "feature map"  # the check's rows of LION-D/S's feature map kernel
 TOLERANCE = {"float32": {"values": 1e-4, "grads": 1e-4}, "bfloat16": {"values": 1e-2, "grads": 3e-2},
              "float16": {"values": 3e-3, "grads": 1e-2}}
 SIXTEEN_BITS = ("bfloat16", "float16")
-# H200 (SXM): HBM3e bandwidth and dense bf16 tensor-core rate, from NVIDIA's data sheet
-H200_BYTES_PER_S, H200_BF16_FLOPS = 4.8e12, 989e12
+# memory bandwidth (bytes/s) and dense bf16 tensor-core rate (FLOP/s) from NVIDIA's data sheets, by a word
+# of torch.cuda.get_device_name(); the issue's targets are an H200's, while a loan may be an H100
+PEAK_RATES = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12), ("H100", 3.35e12, 989e12))
+
+
+def peak_rates(gpu_name: str) -> Optional[Tuple[str, float, float]]:
+    """(model, bytes/s, dense bf16 FLOP/s) of the first ``PEAK_RATES`` model named in ``gpu_name``, or None."""
+    return next((r for r in PEAK_RATES if r[0] in gpu_name), None)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -391,6 +397,14 @@ def measure_feature_map(tokens: int, H: int, D: int, warmup: int, iters: int, de
     return out
 
 
+def rates_line(gpu_name: str) -> str:
+    """The data-sheet peaks the rates table is read against: this GPU's where known, else an H200's."""
+    peak = peak_rates(gpu_name)
+    known = f"{peak[0]}'s data sheet" if peak else f"no data sheet known for {gpu_name!r}; an H200's"
+    model, bytes_per_s, flops = peak or PEAK_RATES[0]
+    return f"Peaks ({known}): {bytes_per_s / 1e12:.2f} TB/s, {flops / 1e12:.0f} dense bf16 TFLOP/s."
+
+
 def fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else ("-" if x is None else str(x))
 
@@ -425,7 +439,7 @@ def markdown(report: Dict) -> str:
             cells = [fmt(row["results"].get(i, {}).get(key, "-")) for i in impls]
             lines.append(f"| {row['L']} | {row['B']} | " + " | ".join(cells) + " |")
     lines += ["", "### The kernel's rates, from the FLOPs and bytes that `kernel_cost` estimates per call", "",
-              f"H200: {H200_BYTES_PER_S / 1e12:.1f} TB/s, {H200_BF16_FLOPS / 1e12:.0f} dense bf16 TFLOP/s.", "",
+              rates_line(env.get("gpu", "")), "",
               "| L | impl | fwd TFLOP/s | fwd GB/s | fwd+bwd TFLOP/s | fwd+bwd GB/s |", "|---|---|---|---|---|---|"]
     for row in report["timing"]:
         for impl in (i for i in impls if i.endswith("triton")):
