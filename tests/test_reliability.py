@@ -81,10 +81,17 @@ UPDATES, HALF = 8, 4  # an epoch of the corpus at 8 x 32 tokens is ~300 updates:
 DDP_BACKEND = {"lm": "legacy_ddp", "mlm": "no_c10d"}  # the two names of the one DDP that runs on CPU
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> List[int]:
+    """``n`` ports free now, all different: each socket is held until the last is bound (ports asked for one
+    at a time could come back twice while the first one's rank has not yet bound it)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def base_args(task: str) -> List[str]:
@@ -123,8 +130,9 @@ def runs(text_data_bin, tmp_path_factory):
     two_devices = [sys.executable, str(ROOT / "tests" / "two_devices.py")]
     entry_point = subprocess.run([str(Path(sys.executable).with_name("lion-fairseq-user-dir"))], capture_output=True,
                                  text=True, check=True).stdout.strip()
+    ports = iter(free_ports(len(TASKS) + 1))  # each task's ranks started by hand, and torchrun's
     for t in TASKS:
-        port = free_port()
+        port = next(ports)
         ranks = ["--distributed-world-size", "2", "--distributed-backend", "gloo", "--ddp-backend", DDP_BACKEND[t]]
         extra = {"straight": ["--update-freq", "2"], "killed": ["--update-freq", "2"]}
         for r in (0, 1):
@@ -135,7 +143,7 @@ def runs(text_data_bin, tmp_path_factory):
             extra["torchrun"] = [*ranks, "--user-dir", entry_point]
             commands["spawn"] = two_devices
             commands["torchrun"] = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *two_devices[1:]]
+                                    "--master-addr", "127.0.0.1", "--master-port", str(next(ports)), *two_devices[1:]]
         for kind, args in extra.items():
             save = root / f"{t}_{kind.rstrip('01')}"
             out[t]["dir"][kind.rstrip("01")] = save
@@ -199,7 +207,7 @@ def test_two_gloo_processes_resume_mid_epoch_to_the_same_parameters(runs, text_d
 
     ddp = runs["lm"]["dir"]["ddp"]
     shutil.copy(ddp / f"checkpoint_1_{HALF}.pt", tmp_path / "checkpoint_last.pt")
-    port = free_port()
+    port, = free_ports(1)
     logs = {r: tmp_path / f"rank{r}.log" for r in (0, 1)}
     out = finish({r: start(text_data_bin, [*base_args("lm"), *rank_args("lm", r, port), "--save-dir", str(tmp_path)],
                            logs[r]) for r in (0, 1)}, logs)
