@@ -249,9 +249,10 @@ def test_mixed_precision_training_part_trains_and_compares_the_forms(tmp_path, o
 
 
 @pytest.fixture
-def stubbed(monkeypatch):
+def stubbed(monkeypatch, tmp_path):
     """``gpu.main`` on CPU with every part that needs a GPU replaced by a stand-in that records its call."""
     calls = []
+    monkeypatch.setattr(gpu.tempfile, "tempdir", str(tmp_path))  # where the default --work folder is made
     monkeypatch.setattr(gpu, "refuse_reason", lambda: None)
     monkeypatch.setattr(gpu, "environment", lambda: {"gpu": "stand-in"})
     monkeypatch.setattr(gpu, "fla_missing", lambda: None)
@@ -262,6 +263,8 @@ def stubbed(monkeypatch):
 
     def train_speed(root, task, arch, L, backend, **kw):
         calls.append(("train", arch, backend, L))
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"{task}-{arch}-{backend}-{L}.log").write_text("a fairseq run's log")
         row = {"task": task, "arch": arch, "backend": backend, "L": L, "B": 1, "wps": 1.0, "seconds": 1.0}
         return dict(row, checkpoint=str(root / "ckpt.pt")) if kw.get("keep_checkpoint") else row
 
@@ -278,7 +281,12 @@ def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stu
                                                                      "gates": gates, "ok": True, "finite": True,
                                                                      "errors": {"values": 0.0, "dv": 0.0}})
     monkeypatch.setattr(gpu, "measure", lambda impl, *a: stubbed.append(("measure", impl)) or {"fwd_ms": 1.0})
-    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024", "--check-lengths", "1"]) == 0
+    out = tmp_path / "out"
+    assert gpu.main(["--out", str(out), "--lengths", "1024", "--check-lengths", "1"]) == 0
+    # the report alone in --out (a lent machine's tool brings back 8 files), the runs' files beside it
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md"]
+    work, = tmp_path.glob("lion-gpu-*")
+    assert len(list(work.glob("*.log"))) == 13
     trains = [i for i, c in enumerate(stubbed) if c[0] == "train"]
     assert stubbed.index(("eval_lm", 512)) == trains[1] + 1 and stubbed[trains[1]][1:] == ("lion_s_lm", "triton", 512)
     assert stubbed.index(("decoding",)) < trains[2] and len(trains) == 13

@@ -26,12 +26,13 @@
 
 ``--precision-table`` and ``--mixed-precision-runs`` add the first GPU run's error-under-autocast table and
 its fp16/amp/bf16 training of every variant. Writes ``gpu.md`` (tables) and ``gpu.json`` into ``--out``
-after every measurement, so a run cut short keeps what it measured. Exits non-zero, with a message, when
-CUDA or Triton is missing."""
+after every measurement, so a run cut short keeps what it measured, and nothing else: the fairseq runs' files
+go to ``--work``. Exits non-zero, with a message, when CUDA or Triton is missing."""
 import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -63,7 +64,11 @@ def peak_rates(gpu_name: str) -> Optional[Tuple[str, float, float]]:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.gpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for gpu.md and gpu.json")
+    p.add_argument("--out", required=True, help="folder for gpu.md and gpu.json (tune.md and tune.json)")
+    # the device tool brings back at most 8 files from its $OUT: the runs' corpus, binaries, checkpoints and
+    # logs there could crowd out the report
+    p.add_argument("--work", help="folder for the fairseq runs' data, checkpoints and logs (default: a new folder "
+                                  "in the system's temporary folder, printed at the start)")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="sequence lengths timed")
     p.add_argument("--check-lengths", default="1,1000,4096", help="sequence lengths of the kernel's check")
     p.add_argument("--tokens", type=int, default=32768, help="B = max(1, tokens // L) at each L")
@@ -565,8 +570,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from . import gpu_tune
 
         return gpu_tune.run(args, out, environment())
+    root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="lion-gpu-"))
     report = {"environment": environment(), "args": vars(args), "check": [], "timing": [], "speed": []}
-    print(report["environment"], flush=True)
+    print(report["environment"], f"fairseq runs in {root}", flush=True)
     started = time.time()
     over = lambda: time.time() - started > args.budget_s  # noqa: E731
     fla = not fla_missing()
@@ -612,7 +618,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             lost = lost_after(report, "the feature map's timing")
         print(f"feature map: {report['feature_map']}", flush=True)
         save(out, report)
-    root = out / "train"
     softmax_wps = {}
     for task, arch, backend, L in speed_runs(args, fla=fla):
         if over():
