@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,6 +73,10 @@ def test_check_cases_cover_every_gate_kind_in_both_16_bit_dtypes():
     # head size 128's blocks and split backward walks: every gate kind, at the longest L
     assert {c[3] for c in cases if c[4] == 128 and c[1] == "bfloat16" and not c[2]} == set(gpu.GATES)
     assert {c[0] for c in cases if c[4] == 128} == {1000}
+    # float32 (products in float32 on both sides: the tightest tolerance) at every L, each way
+    assert {(c[0], c[2]) for c in cases if c[1] == "float32"} == {(L, ca) for L in (1, 1000) for ca in (False, True)}
+    assert {(c[1], c[2], c[3]) for c in cases if c[4] == 128} == {("bfloat16", False, g) for g in gpu.GATES} | {
+        ("bfloat16", True, "token"), ("float16", False, "token")}
 
 
 @needs_kernel
@@ -171,7 +176,7 @@ def test_speed_runs_pair_every_softmax_model_with_lion_on_the_kernel():
 
 
 @needs_kernel
-def test_speed_run_eval_lm_and_recurrent_decoding(tmp_path, one_thread):
+def test_speed_run_eval_lm_and_recurrent_decoding(tmp_path, one_thread, monkeypatch):
     """The end-to-end part at tiny size in float32: fairseq-hydra-train of a LION LM on the kernel and of
     RoBERTa (fairseq's wps, a checkpoint kept for the LM), fairseq-eval-lm of that checkpoint in every form
     with the same loss, and greedy recurrent decoding that the parallel form's argmax confirms."""
@@ -188,8 +193,10 @@ def test_speed_run_eval_lm_and_recurrent_decoding(tmp_path, one_thread):
                                        forms=("parallel", "chunk-triton", "recurrent"))
     losses = [r["loss"] for r in forms.values()]
     assert len(losses) == 3 and max(losses) - min(losses) < 1e-3, forms
+    clock = iter([0.0, 2.0])  # the generation's start and end: 2 s for 8 tokens
+    monkeypatch.setattr(gpu_training, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     dec = gpu_training.recurrent_decoding(Path(lm["checkpoint"]), device="cpu", prompt_tokens=20, new_tokens=8)
-    assert dec["new_tokens"] == 8 and dec["agree"] == 8 and dec["ms_per_token"] > 0, dec
+    assert dec["new_tokens"] == 8 and dec["agree"] == 8 and dec["ms_per_token"] == 250.0, dec
 
 
 def test_report_has_every_table(tmp_path):
@@ -219,6 +226,9 @@ def test_report_has_every_table(tmp_path):
     assert "| 1000 | bfloat16 | False | head | 64 | 3.00e-03 | dlog_a_fwd 8.00e-03 | yes |" in md
     assert "| 1 | float32 | True | token | 64 | error: RuntimeError('x') | | NO |" in md
     assert "| 1024 | 32 | 0.5 | - | - | skipped (budget) | - | OOM |" in md
+    tables = {t.split("\n")[0]: t for t in md.split("### ")[1:]}
+    assert "| 1024 | 32 | 1.5 | - |" in tables["forward+backward, ms"]
+    assert "| 1024 | 32 | 10 | - |" in tables["forward peak, MiB"] and "| 1024 | 32 | 40 | - |" in tables["forward+backward peak, MiB"]
     assert "| 1024 | lion-s-triton | 60 | 1.2e+03 | 50 | 900 |" in md
     assert "| lm | lion_s_lm | triton | 512 | 32 | 1.5e+05 | 1.5 | 21.0 |" in md
     assert "| mlm | lion_s | triton | 8192 | | error: 'skipped (budget)' | | |" in md
@@ -348,3 +358,385 @@ def test_tune_run_writes_its_table_at_each_length(tmp_path, stubbed, monkeypatch
     md = (tmp_path / "tune.md").read_text()
     assert "| 1024 | 32 | shipped | (32, 8) | (16, 8) | 4 | (3, 3) | (False, False) | True | 1 | 1.000 |" in md and "| 4096 | 8 | shipped |" in md
     assert not (tmp_path / "gpu.md").exists() and not [c for c in stubbed if c[0] == "train"]
+
+
+# ---- the check's verdict, the figures, the budget and the saving, on stand-ins (no kernel run) ----
+
+
+class _ReadsDyReversed(torch.autograd.Function):
+    """Identity forward; a backward that reads dy along D reversed (a wrong stride): only a loss with
+    unequal weights along D can see it."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.flip(-1)
+
+
+@pytest.fixture
+def wrong_kernel(monkeypatch):
+    """``backend="triton"`` replaced by the PyTorch form made wrong as ``wrong`` says: ``{"where": "values" or
+    an input's name or "dy", "by": relative error}``; each call's (backend, causal, dtype, D) in ``calls``."""
+    from lion_fairseq import ops
+
+    real, wrong, calls = ops.lion_attention, {}, []
+
+    def lion_attention(q, k, v, f, b, *, form, causal=False, backend):
+        calls.append((backend, causal, q.dtype, q.shape[-1]))
+        where, by = wrong.get("where"), wrong.get("by", 0.0) if backend == "triton" else 0.0
+        named = dict(zip(gpu.INPUT_NAMES, (q, k, v, f, b)))
+        if by and where in named:
+            named[where].register_hook(lambda g: (g.double() * (1 + by)).to(g.dtype))
+        y = real(q, k, v, f, b, form=form, causal=causal, backend="torch")
+        if by and where == "values":
+            y = (y.double() * (1 + by)).to(y.dtype)
+        return _ReadsDyReversed.apply(y) if by and where == "dy" else y
+
+    monkeypatch.setattr(ops, "lion_attention", lion_attention)
+    return SimpleNamespace(wrong=wrong, calls=calls)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("where", ["values", "q", "k", "v", "log_a_fwd", "log_a_bwd"])
+def test_check_passes_half_its_tolerance_and_fails_twice_it(wrong_kernel, dtype, where):
+    """Each value and gradient is held to its own dtype's tolerance, on its own: an error of half of it
+    passes (the same rounding on both sides would not cost a GPU run), of twice it fails the check."""
+    tol = gpu.TOLERANCE[dtype]["values" if where == "values" else "grads"]
+    for by, ok in ((tol / 2, True), (2 * tol, False)):
+        wrong_kernel.wrong.update(where=where, by=by)
+        c = gpu.check(33, dtype, False, "token", device="cpu", B=1, H=2, D=16)
+        assert c["ok"] is ok and c["finite"], (by, c)
+        assert c["errors"]["values" if where == "values" else f"d{where}"] == pytest.approx(by, rel=0.3), c
+
+
+@pytest.mark.parametrize("dtype,by", [("float32", 1e-3), ("bfloat16", 0.1), ("float16", 0.1)])
+def test_check_fails_a_miscompiled_kernel(wrong_kernel, dtype, by):
+    """What a miscompiled kernel gives: 0.1% in float32, 10% in 16 bits, in any one gradient; and a backward
+    that reads dy along D reversed, which only the check's random weights along D show."""
+    for where in ("values", "q", "log_a_bwd"):
+        wrong_kernel.wrong.update(where=where, by=by)
+        assert not gpu.check(33, dtype, False, "token", device="cpu", B=1, H=2, D=16)["ok"], where
+    wrong_kernel.wrong.update(where="dy", by=1.0)
+    assert not gpu.check(33, dtype, False, "head", device="cpu", B=1, H=2, D=16)["ok"]
+
+
+def test_check_runs_the_kernel_in_the_case_it_names(wrong_kernel):
+    wrong_kernel.wrong.clear()
+    c = gpu.check(33, "float16", True, "token", device="cpu", B=1, H=2, D=16)
+    assert c["ok"] and all(e == 0.0 for e in c["errors"].values()), c
+    assert sorted(wrong_kernel.calls, key=str) == [("torch", True, torch.float16, 16), ("triton", True, torch.float16, 16)]
+
+
+def test_check_feature_map_fails_a_wrong_kernel(monkeypatch):
+    from lion_fairseq.modules.feature_maps import silu_norm
+    from lion_fairseq.ops import feature_kernel
+
+    monkeypatch.setattr(feature_kernel, "silu_norm_kernel", lambda x: silu_norm(x) * 1.05)
+    c = gpu.check_feature_map(40, "float32", device="cpu", B=2, H=3, D=32)
+    assert not c["ok"] and c["errors"]["values"] == pytest.approx(0.05, rel=1e-3), c
+
+
+def test_measure_reports_the_rates_its_time_and_kernel_cost_imply(monkeypatch):
+    costs = []
+    monkeypatch.setattr(gpu, "time_ms", lambda fn, warmup, iters, device: 2.0)
+    monkeypatch.setattr(gpu, "peak_mib", lambda fn, device: 7.0)
+    monkeypatch.setattr(gpu, "kernel_cost", lambda B, H, L, D, gates, mode, **kw: costs.append(
+        (B, H, L, D, gates, mode)) or {"flops": 3e9 if mode == "fwd" else 5e9, "bytes": 4e9})
+    r = gpu.measure("lion-d-triton", 1, 2, 40, 16, warmup=0, iters=1, device="cpu")
+    # 3e9 FLOPs in 2 ms: 1.5 TFLOP/s; 4e9 bytes in 2 ms: 2000 GB/s
+    assert r == pytest.approx({"fwd_ms": 2.0, "fwd_mib": 7.0, "fwd_tflops": 1.5, "fwd_gbps": 2000.0, "fwdbwd_ms": 2.0,
+                               "fwdbwd_mib": 7.0, "fwdbwd_tflops": 2.5, "fwdbwd_gbps": 2000.0})
+    assert costs == [(1, 2, 40, 16, "head", "fwd"), (1, 2, 40, 16, "head", "fwdbwd")]
+
+
+def test_peak_memory_is_counted_above_the_inputs(monkeypatch):
+    peak = {"MiB": 100}  # an earlier call's peak, until the stats are reset
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 10 * 2 ** 20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: peak.update(MiB=10))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak["MiB"] * 2 ** 20)
+    assert gpu.peak_mib(lambda: peak.update(MiB=max(peak["MiB"], 25)), device="cuda") == 15.0
+
+
+def test_time_ms_is_the_median_after_the_warm_up(monkeypatch):
+    clock = [0.0]
+    seconds = iter([10.0, 10.0, 0.001, 0.005, 0.002])  # two warm-up calls (Triton compiling), three timed
+
+    def fn():
+        clock[0] += next(seconds)
+
+    monkeypatch.setattr(gpu, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert gpu.time_ms(fn, warmup=2, iters=3, device="cpu") == pytest.approx(2.0)
+
+
+def test_the_forward_is_timed_without_autograd():
+    modes, x = [], torch.randn(3, requires_grad=True)
+    calls = gpu.timed_calls(lambda a, b: modes.append(torch.is_grad_enabled()) or a * 2, [x, None], torch.ones(3))
+    calls["fwd"]()
+    assert modes == [False] and x.grad is None
+    calls["fwdbwd"]()
+    calls["fwdbwd"]()  # each timed backward starts from no gradient, not adding to the last one's
+    assert modes == [False, True, True] and torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def _ok_check(seen=None):
+    def check(L, dt, causal, gates, D=64):
+        if seen is not None:
+            seen.append(D)
+        return {"L": L, "dtype": dt, "causal": causal, "gates": gates, "D": D, "ok": True, "finite": True,
+                "errors": {"values": 0.0, "dv": 0.0}}
+    return check
+
+
+def test_a_check_out_of_tolerance_fails_the_run(tmp_path, stubbed, monkeypatch):
+    """No exception, only an error over the tolerance: the run still fails and the table says NO."""
+    def check(L, dt, causal, gates, D=64):
+        return {"L": L, "dtype": dt, "causal": causal, "gates": gates, "D": D, "finite": True,
+                "ok": not (dt == "float16" and gates == "token"), "errors": {"values": 0.5, "dv": 0.5}}
+
+    monkeypatch.setattr(gpu, "check", check)
+    assert gpu.main(["--out", str(tmp_path), "--check-lengths", "1", "--budget-s=-1"]) == 1
+    assert "| 1 | float16 | False | token | 64 | 5.00e-01 | dv 5.00e-01 | NO |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_past_the_budget_only_the_check_runs(tmp_path, stubbed, monkeypatch):
+    """Every check runs, at both head sizes; every timing, training and evaluation after it is recorded as
+    skipped, which does not fail the run."""
+    sizes = []
+    monkeypatch.setattr(gpu, "check", _ok_check(sizes))
+    monkeypatch.setattr(gpu, "measure", lambda *a: pytest.fail("timed past the budget"))
+    monkeypatch.setattr(gpu, "measure_feature_map", lambda *a: pytest.fail("timed past the budget"))
+    monkeypatch.setattr(gpu, "train_and_evaluate", lambda *a: pytest.fail("trained past the budget"))
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024", "--check-lengths", "1,1000", "--budget-s=-1",
+                     "--precision-table", "--mixed-precision-runs"]) == 0
+    report = json.loads((tmp_path / "gpu.json").read_text())  # what was skipped is saved too
+    assert len(report["check"]) == len(gpu.check_cases([1, 1000])) + 3 and sorted(set(sizes)) == [64, 128]
+    assert all(r["fwd_ms"] == "skipped (budget)" for r in report["timing"][0]["results"].values())
+    assert all(r["error"] == "skipped (budget)" for r in report["speed"] + report["train"]) and len(report["train"]) == 9
+    assert not {"feature_map", "precision", "precision_error", "eval_lm"} & set(report)
+    assert not [c for c in stubbed if c[0] in ("train", "eval_lm")]
+
+
+def test_main_saves_after_every_measurement(tmp_path, stubbed, monkeypatch):
+    """A run cut short keeps all it measured: each stand-in finds every result before it in gpu.json."""
+    saved = lambda: json.loads((tmp_path / "gpu.json").read_text()) if (tmp_path / "gpu.json").exists() else None  # noqa: E731
+    found = []
+    ok = _ok_check()
+    monkeypatch.setattr(gpu, "check", lambda *a, **kw: found.append(("check", len((saved() or {"check": []})["check"])))
+                        or ok(*a, **kw))
+    monkeypatch.setattr(gpu, "measure", lambda impl, *a: found.append(
+        ("measure", sum(len(row["results"]) for row in saved()["timing"]))) or {"fwd_ms": 1.0})
+    train = gpu.train_speed
+    monkeypatch.setattr(gpu, "train_speed", lambda *a, **kw: found.append(
+        ("train", len(saved()["speed"]), "eval_lm" in saved(), "decoding" in saved())) or train(*a, **kw))
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024", "--check-lengths", "1",
+                     "--train-lengths", "512,2048"]) == 0
+    checks = [f[1] for f in found if f[0] == "check"]
+    assert checks == list(range(len(checks))) and len(checks) == len(gpu.check_cases([1]))
+    assert [f[1] for f in found if f[0] == "measure"] == list(range(len(gpu.IMPLS)))
+    trains = [f[1:] for f in found if f[0] == "train"]
+    assert trains == [(i, i > 1, i > 1) for i in range(len(trains))] and len(trains) == 9
+
+
+def test_main_publishes_each_lion_run_against_its_softmax_model(tmp_path, stubbed, monkeypatch):
+    wps = {"transformer_lm": 100.0, "lion_s_lm": 150.0, "roberta_base": 80.0, "lion_s": 40.0}
+    measured = []
+    monkeypatch.setattr(gpu, "check", _ok_check())
+    monkeypatch.setattr(gpu, "measure", lambda *a: measured.append(a) or {"fwd_ms": 1.0})
+    monkeypatch.setattr(gpu, "train_speed", lambda root, task, arch, L, backend, **kw: {
+        "task": task, "arch": arch, "backend": backend, "L": L, "B": 1, "wps": wps[arch], "seconds": 1.0})
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024,4096", "--check-lengths", "1", "--tokens", "8192",
+                     "--heads", "6", "--dim", "32", "--warmup", "2", "--iters", "5", "--train-lengths", "512"]) == 0
+    assert {a[1:] for a in measured} == {(8, 6, 1024, 32, 2, 5), (2, 6, 4096, 32, 2, 5)}
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert [row["B"] for row in report["timing"]] == [8, 2]
+    assert [(r["arch"], r["backend"], r.get("vs_softmax")) for r in report["speed"]] == [
+        ("transformer_lm", None, None), ("lion_s_lm", "triton", 1.5), ("roberta_base", None, None),
+        ("lion_s", "triton", 0.5), ("lion_s_lm", "fla", 1.5)]
+
+
+@pytest.mark.parametrize("missing", [None, "fla is not installed"])
+def test_fla_is_run_only_where_it_can_run(tmp_path, stubbed, monkeypatch, missing):
+    evaluated = []
+    monkeypatch.setattr(gpu, "fla_missing", lambda: missing)
+    monkeypatch.setattr(gpu, "check", _ok_check())
+    monkeypatch.setattr(gpu, "measure", lambda *a: {"fwd_ms": 1.0})
+    monkeypatch.setattr(gpu, "eval_lm_forms", lambda ckpt, L, forms: evaluated.extend(forms) or {f: {"loss": 1.0} for f in forms})
+    assert gpu.main(["--out", str(tmp_path), "--lengths", "1024", "--check-lengths", "1", "--train-lengths", "512"]) == 0
+    fla = [c for c in stubbed if c[0] == "train" and c[2] == "fla"]
+    assert (len(fla), "chunk-fla" in evaluated) == ((1, True) if missing is None else (0, False)), evaluated
+
+
+@pytest.mark.parametrize("dtype,where,by", [("bfloat16", "log_a_bwd", 0.1), ("float16", "values", 6e-3)])
+def test_tune_candidate_that_disagrees_is_reported_not_timed(wrong_kernel, dtype, where, by):
+    """A fast configuration that is wrong must not be chosen: its row has no time. In fp16, fp16's own
+    tolerances (0.6% in the values would pass bf16's)."""
+    inputs = gpu.make_inputs(1, 2, 40, 16, getattr(torch, dtype), "token", grad=True, device="cpu")
+    weight = torch.randn(1, 2, 40, 16)
+    ref = gpu.outputs(inputs, weight, "torch", False)
+    wrong_kernel.wrong.clear()
+    assert gpu_tune.candidate(inputs, weight, ref, "fwd", 0, 1, "cpu", dtype)["ms"] > 0
+    wrong_kernel.wrong.update(where=where, by=by)
+    row = gpu_tune.candidate(inputs, weight, ref, "fwd", 0, 1, "cpu", dtype)
+    assert not row["ok"] and "ms" not in row, row
+
+
+def test_tune_sweep_chooses_each_pass_from_the_last_ones_fastest(monkeypatch):
+    """Each candidate's time made up from the configuration in force, so that every pass's fastest differs
+    from the shipped one and from its neighbour's: each pass must take the choices of those before it."""
+    from lion_fairseq.ops import kernel
+
+    def ms(mode):
+        f, b, p = kernel.BLOCKS[False][64], kernel.BLOCKS[True][64], kernel.PROGRAMS_PER_SM
+        t = {(16, 4): 0, (32, 8): 5}[f] + ({2: 0, 4: 1, 8: 3} if mode == "fwd" else {2: 3, 4: 1, 8: 0})[p]
+        if mode == "fwd":
+            return t + {1: 2, 2: 0, 3: 1}[kernel.STAGES[False]] + (0 if kernel.PREFETCH[False] else 1)
+        return t + {(16, 4): 0, (16, 8): 2}[b] + (0 if not kernel.FUSED[64] else 1) + {1: 0, 2: 2, 3: 1}[kernel.STAGES[True]]
+
+    seen = []
+
+    def candidate(inputs, weight, ref, mode, warmup, iters, device, dtype_name="bfloat16"):
+        seen.append((mode, dtype_name, inputs[0].dtype))
+        return {"chunk": 16, "segments": 1, "ok": True, "finite": True, "errors": {"values": 0.0}, "ms": ms(mode) + 1.0}
+
+    monkeypatch.setattr(gpu_tune, "candidate", candidate)
+    rows = []
+    gpu_tune.sweep(40, 1, 2, 16, 0, 1, lambda: False, rows.append, device="cpu", forward=((16, 4), (32, 8)),
+                   backward=((16, 4), (16, 8)), programs=(2, 8), stages=(1, 2))
+    got = [(r["pass"], tuple(r["forward"]), tuple(r["backward"]), r["programs"], tuple(r["stages"]),
+            tuple(r["prefetch"]), r["fused"]) + s[:2] for r, s in zip(rows, seen)]
+    F, B16 = (16, 4), (16, 4)  # the fastest forward and backward blocks; shipped: (32, 8) and (16, 8)
+    ship = ((3, 3), (False, False), True)
+    bf, fp = ("fwd", "bfloat16"), ("fwdbwd", "bfloat16")
+    assert got == [("forward", c, (16, 8), p) + ship + bf for p in (2, 8) for c in ((16, 4), (32, 8))] + [
+        ("shipped", (32, 8), (16, 8), 4) + ship + fp] + [
+        ("backward", F, c, p) + ship + fp for p in (2, 8) for c in ((16, 4), (16, 8))] + [
+        ("backward fused", F, c, 8, (3, 3), (False, False), u) + fp for u in (False, True) for c in ((16, 4), (16, 8))] + [
+        ("backward fused fp16", F, B16, 8, (3, 3), (False, False), u, "fwdbwd", "float16") for u in (False, True)] + [
+        ("forward stages", F, (16, 8), 2, (n, 3), (False, False), True) + bf for n in (1, 2)] + [
+        ("backward stages", F, B16, 8, (2, n), (False, False), False) + fp for n in (1, 2)] + [
+        ("forward prefetch", F, (16, 8), 2, (2, 3), (a, False), True) + bf for a in (False, True)] + [
+        ("backward prefetch", F, B16, 8, (2, 1), (True, a), False) + fp for a in (False, True)]
+    assert [s[2] for s in seen if s[1] == "float16"] == [torch.float16] * 2
+    rows.clear()
+    gpu_tune.sweep(40, 1, 2, 16, 0, 1, lambda: True, rows.append, device="cpu", forward=((16, 4),), backward=((16, 4),),
+                   programs=(2,), stages=(1,))
+    assert len(rows) == len(got) - 10 and all(r["skipped"] == "budget" for r in rows) and len(seen) == len(got)
+
+
+def test_tune_best_rows_are_the_fastest_that_agree():
+    rows = [{"L": 1024, "pass": "forward", "ms": 2.0, "forward": [16, 4]}, {"L": 1024, "pass": "forward", "ms": 1.0,
+            "forward": [32, 8]}, {"L": 1024, "pass": "forward", "ok": False, "forward": [64, 4]},
+            {"L": 1024, "pass": "forward", "ms": 3.0, "forward": [64, 8]}, {"L": 4096, "pass": "forward", "ms": 5.0,
+            "forward": [16, 4]}]
+    assert [(r["L"], r["forward"]) for r in gpu_tune.best_rows(rows)] == [(1024, [32, 8]), (4096, [16, 4])]
+
+
+def test_tune_run_fails_on_a_wrong_candidate_and_saves_each_row(tmp_path, stubbed, monkeypatch):
+    row = {"pass": "shipped", "forward": [32, 8], "backward": [16, 8], "programs": 4, "stages": [3, 3],
+           "prefetch": [False, False], "fused": True, "chunk": 32, "segments": 1, "errors": {"values": 0.5, "dq": 0.5}}
+
+    saved = []
+
+    def sweep(L, B, H, D, warmup, iters, over, record):
+        if L == 4096:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        record(dict(row, L=L, B=B, ok=False))
+        saved.append(json.loads((tmp_path / "tune.json").read_text())["rows"] if (tmp_path / "tune.json").exists() else None)
+
+    monkeypatch.setattr(gpu_tune, "sweep", sweep)
+    assert gpu.main(["--out", str(tmp_path), "--tune", "--tune-lengths", "1024"]) == 1
+    assert [[r["ok"] for r in rows] for rows in saved] == [[False]]  # written as soon as recorded
+    assert gpu.main(["--out", str(tmp_path / "b"), "--tune", "--tune-lengths", "4096"]) == 1
+    assert "Stopped at L = 4096: RuntimeError" in (tmp_path / "b" / "tune.md").read_text()
+
+
+def _fake_fairseq(monkeypatch, log, code=0):
+    """gpu_training's fairseq commands replaced: each returns ``log`` and ``code`` and records its argv,
+    LION_BACKEND and its hydra config (where it has one)."""
+    runs = []
+
+    def run(argv, capture_output, text, env):
+        config = Path(argv[argv.index("--config-dir") + 1]) / "speed.yaml" if "--config-dir" in argv else None
+        runs.append(SimpleNamespace(argv=argv, backend=env.get("LION_BACKEND"),
+                                    config=config.read_text() if config and config.exists() else ""))
+        return subprocess.CompletedProcess(argv, code, log, "")
+
+    monkeypatch.setattr(gpu_training, "prepare_data", lambda root: root / "data-bin")
+    monkeypatch.setattr(gpu_training, "subprocess", SimpleNamespace(run=run))
+    return runs
+
+
+def _train_log(wps):
+    return "".join(f'[train_inner][INFO] - {{"loss": "{9 - u}", "wps": "{w}"}}\n' for u, w in enumerate(wps))
+
+
+def test_train_speed_is_fairseqs_median_wps_after_three_updates(tmp_path, monkeypatch):
+    monkeypatch.setenv("LION_BACKEND", "torch")
+    runs = _fake_fairseq(monkeypatch, _train_log([5.0, 50.0, 60.0, 100.0, 300.0, 200.0]))  # 3: Triton compiling
+    r = gpu_training.train_speed(tmp_path, "mlm", "lion_s", 2048, "fla", tokens=8192, updates=6, keep_checkpoint=True)
+    assert (r["wps"], r["B"], r["losses"]) == (200.0, 4, [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]) and "error" not in r, r
+    assert r["checkpoint"].endswith("checkpoint_last.pt")
+    assert runs[0].backend == "fla" and "bf16: true" in runs[0].config and "max_positions: 2048" in runs[0].config
+    gpu_training.train_speed(tmp_path, "lm", "transformer_lm", 512, None, tokens=8192, updates=6)
+    assert runs[1].backend is None and "batch_size: 16" in runs[1].config and "no_save: true" in runs[1].config
+
+
+@pytest.mark.parametrize("wps,code", [([5.0, 50.0, 60.0], 0), ([5.0, 50.0, 60.0, 100.0], 1)])
+def test_train_speed_without_a_figure_is_an_error(tmp_path, monkeypatch, wps, code):
+    _fake_fairseq(monkeypatch, _train_log(wps), code)
+    r = gpu_training.train_speed(tmp_path, "lm", "lion_s_lm", 512, "triton", keep_checkpoint=True)
+    assert "error" in r and "checkpoint" not in r, r
+
+
+def test_eval_lm_forms_runs_each_form_on_its_backend(tmp_path, monkeypatch):
+    runs = _fake_fairseq(monkeypatch, "| Loss (base 2): 3.5000, Perplexity: 11.31\n")
+    out = gpu_training.eval_lm_forms(tmp_path / "run" / "checkpoint_last.pt", 512,
+                                     forms=("parallel", "chunk-triton", "chunk-fla", "recurrent"))
+    assert [(r.argv[r.argv.index("--model-overrides") + 1], r.backend) for r in runs] == [
+        (repr({"lion_form": f}), b) for f, b in (("parallel", "torch"), ("chunk", "triton"), ("chunk", "fla"),
+                                                 ("recurrent", "torch"))]
+    assert out["chunk-triton"] == {"loss": 3.5, "ppl": 11.31}
+    _fake_fairseq(monkeypatch, "| Loss (base 2): 3.5000, Perplexity: 11.31\n", code=1)
+    assert "error" in gpu_training.eval_lm_forms(tmp_path / "run" / "checkpoint_last.pt", 512, forms=("parallel",))["parallel"]
+
+
+def test_lion_backend_restores_an_unset_variable(monkeypatch):
+    monkeypatch.delenv("LION_BACKEND", raising=False)
+    with gpu_training.lion_backend("triton"):
+        assert os.environ["LION_BACKEND"] == "triton"
+    assert "LION_BACKEND" not in os.environ
+
+
+def test_train_and_evaluate_needs_every_update_and_the_forms_within_1e_3(tmp_path, monkeypatch):
+    _fake_fairseq(monkeypatch, _train_log([1.0] * 3))
+    (tmp_path / "s-fp16").mkdir()
+    (tmp_path / "s-fp16" / "checkpoint_last.pt").write_text("")
+    forms = dict.fromkeys(gpu_training.FORMS, 5.0)
+    monkeypatch.setattr(gpu_training, "form_losses", lambda ckpt, data, length, device: dict(forms))
+    assert gpu_training.train_and_evaluate(tmp_path, "s", "fp16", updates=3)["ok"]
+    assert not gpu_training.train_and_evaluate(tmp_path, "s", "fp16", updates=4)["ok"]  # an update missing
+    forms["recurrent"] = 5.0 * (1 + 2e-3)
+    row = gpu_training.train_and_evaluate(tmp_path, "s", "fp16", updates=3)
+    assert not row["forms_agree"] and not row["ok"], row
+
+
+def test_form_losses_runs_each_chunk_form_on_its_backend(tmp_path, monkeypatch):
+    from fairseq import checkpoint_utils
+
+    backends = []
+
+    class Model(torch.nn.Module):
+        def forward(self, source):
+            backends.append(os.environ.get("LION_BACKEND"))
+            return (torch.zeros(1, source.shape[1], 5),)
+
+    item = {"source": torch.zeros(3, dtype=torch.long), "target": torch.zeros(3, dtype=torch.long)}
+    task = SimpleNamespace(load_dataset=lambda split: None, dataset=lambda split: [item])
+    monkeypatch.setattr(checkpoint_utils, "load_model_ensemble_and_task", lambda paths, arg_overrides: ([Model()], None, task))
+    monkeypatch.delenv("LION_BACKEND", raising=False)
+    assert set(gpu_training.form_losses(tmp_path / "checkpoint_last.pt", tmp_path, 3, "cpu")) == set(gpu_training.FORMS)
+    assert backends == ["torch", "triton", "fla", "torch", "torch"]  # FORMS' order; torch where none is named

@@ -662,6 +662,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 r = {"variant": variant, "precision": prec, "ok": False, "error": repr(e)[:300]}
             report["train"].append(r)
             save(out, report)
+    save(out, report)  # with what the budget skipped, which no measurement's save has written
     print(markdown(report))
     failed = [c for c in report["check"] if not c.get("ok")]
     failed += [r for r in report["speed"] + report.get("train", []) if r.get("error") and "budget" not in r["error"]]
