@@ -406,7 +406,7 @@ def rates_line(gpu_name: str) -> str:
     """The data-sheet peaks the rates table is read against: this GPU's where known, else an H200's."""
     peak = peak_rates(gpu_name)
     known = f"{peak[0]}'s data sheet" if peak else f"no data sheet known for {gpu_name!r}; an H200's"
-    model, bytes_per_s, flops = peak or PEAK_RATES[0]
+    _, bytes_per_s, flops = peak or PEAK_RATES[0]
     return f"Peaks ({known}): {bytes_per_s / 1e12:.2f} TB/s, {flops / 1e12:.0f} dense bf16 TFLOP/s."
 
 
