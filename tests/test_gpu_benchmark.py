@@ -286,10 +286,18 @@ def stubbed(monkeypatch, tmp_path):
     return calls
 
 
+def _ok_check(seen=None):
+    """A stand-in for ``gpu.check`` that finds the kernel right (each case's head size into ``seen``)."""
+    def check(L, dt, causal, gates, D=64):
+        if seen is not None:
+            seen.append(D)
+        return {"L": L, "dtype": dt, "causal": causal, "gates": gates, "D": D, "ok": True, "finite": True,
+                "errors": {"values": 0.0, "dv": 0.0}}
+    return check
+
+
 def test_main_evaluates_the_forms_as_soon_as_the_checkpoint_exists(tmp_path, stubbed, monkeypatch):
-    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates, D=64: {"L": L, "dtype": dt, "causal": causal,
-                                                                     "gates": gates, "ok": True, "finite": True,
-                                                                     "errors": {"values": 0.0, "dv": 0.0}})
+    monkeypatch.setattr(gpu, "check", _ok_check())
     monkeypatch.setattr(gpu, "measure", lambda impl, *a: stubbed.append(("measure", impl)) or {"fwd_ms": 1.0})
     out = tmp_path / "out"
     assert gpu.main(["--out", str(out), "--lengths", "1024", "--check-lengths", "1"]) == 0
@@ -326,9 +334,7 @@ def test_a_fault_that_loses_the_gpu_stops_only_this_process_parts(tmp_path, stub
 
 
 def test_a_fault_while_timing_stops_the_timings_after_it(tmp_path, stubbed, monkeypatch):
-    monkeypatch.setattr(gpu, "check", lambda L, dt, causal, gates, D=64: {"L": L, "dtype": dt, "causal": causal,
-                                                                     "gates": gates, "ok": True, "finite": True,
-                                                                     "errors": {"values": 0.0, "dv": 0.0}})
+    monkeypatch.setattr(gpu, "check", _ok_check())
     monkeypatch.setattr(gpu, "cuda_lost", lambda: "AcceleratorError('illegal memory access')")
 
     def measure(impl, *a):
@@ -480,15 +486,6 @@ def test_the_forward_is_timed_without_autograd():
     calls["fwdbwd"]()
     calls["fwdbwd"]()  # each timed backward starts from no gradient, not adding to the last one's
     assert modes == [False, True, True] and torch.equal(x.grad, torch.full((3,), 2.0))
-
-
-def _ok_check(seen=None):
-    def check(L, dt, causal, gates, D=64):
-        if seen is not None:
-            seen.append(D)
-        return {"L": L, "dtype": dt, "causal": causal, "gates": gates, "D": D, "ok": True, "finite": True,
-                "errors": {"values": 0.0, "dv": 0.0}}
-    return check
 
 
 def test_a_check_out_of_tolerance_fails_the_run(tmp_path, stubbed, monkeypatch):
