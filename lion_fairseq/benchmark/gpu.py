@@ -56,11 +56,6 @@ SIXTEEN_BITS = ("bfloat16", "float16")
 PEAK_RATES = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12), ("H100", 3.35e12, 989e12))
 
 
-def peak_rates(gpu_name: str) -> Optional[Tuple[str, float, float]]:
-    """(model, bytes/s, dense bf16 FLOP/s) of the first ``PEAK_RATES`` model named in ``gpu_name``, or None."""
-    return next((r for r in PEAK_RATES if r[0] in gpu_name), None)
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.gpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -404,7 +399,7 @@ def measure_feature_map(tokens: int, H: int, D: int, warmup: int, iters: int, de
 
 def rates_line(gpu_name: str) -> str:
     """The data-sheet peaks the rates table is read against: this GPU's where known, else an H200's."""
-    peak = peak_rates(gpu_name)
+    peak = next((r for r in PEAK_RATES if r[0] in gpu_name), None)  # the first model the name holds
     known = f"{peak[0]}'s data sheet" if peak else f"no data sheet known for {gpu_name!r}; an H200's"
     _, bytes_per_s, flops = peak or PEAK_RATES[0]
     return f"Peaks ({known}): {bytes_per_s / 1e12:.2f} TB/s, {flops / 1e12:.0f} dense bf16 TFLOP/s."
