@@ -236,6 +236,36 @@ def test_two_gloo_processes_equal_one_process_with_update_freq_2(runs, task, lau
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=f"{task}: {name}")
 
 
+BUSY_PREFETCH = """
+import torch
+import lion_fairseq  # as --user-dir imports it
+from fairseq.data.iterators import BufferedIterator
+
+class Batches:  # data loading slower than training: the prefetching thread is always inside a torch op
+    def __len__(self):
+        return 10 ** 6
+    def __iter__(self):
+        x = torch.randn(256, 256)
+        while True:
+            for _ in range(30):
+                x = (x @ x).tanh()
+            yield x
+
+batches = BufferedIterator(1, Batches())  # fairseq's --data-buffer-size, here 1
+next(batches)
+print("first batch")
+"""
+
+
+def test_a_command_that_ends_while_fairseq_prefetches_exits_with_status_0():
+    """fairseq's prefetching thread, ended by Python's shutdown inside a torch op, aborts the process
+    ("terminate called without an active exception", status 134) after a finished run; it happened to a
+    fairseq-train in this suite. With the plugin imported, the command ends with status 0."""
+    proc = subprocess.run([sys.executable, "-c", BUSY_PREFETCH], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "first batch" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_ddp_backends_that_cannot_run_on_cpu_are_refused_with_what_to_pass(text_data_bin):
     """c10d / pytorch_ddp hand a CUDA device id to torch's DDP: refused up front, naming legacy_ddp;
     fully_sharded needs fairscale, which fairseq says."""
