@@ -1,5 +1,5 @@
 """flash-linear-attention's real Triton kernels, and LION's own (ops/kernel.py), on CPU under Triton's
-interpreter (``TRITON_INTERPRET=1``, set by conftest.py before fla is imported). Three patches of the
+interpreter (``TRITON_INTERPRET=1``, set by conftest.py before fla is imported). Four patches of the
 interpreter, none of fla's files (measured with triton 3.9.0 and fla-core 0.6.0):
 
 - the autotuner benchmarks its configs on a device driver, of which the CPU has none ("0 active
@@ -9,12 +9,17 @@ interpreter, none of fla's files (measured with triton 3.9.0 and fla-core 0.6.0)
   every kernel makes it a tensor at the top of each such loop, as it already does for assignments;
 - the interpreter converts float32 to bfloat16 by dropping the low 16 bits, where a GPU rounds to nearest
   (even), as Triton's semantics say: a kernel's bfloat16 stores then came out with twice the GPU's error,
-  and biased toward zero. They round to nearest here.
+  and biased toward zero. They round to nearest here;
+- each call of a ``@triton.jit`` helper patched the language modules again, scanning them whole, though
+  the launch running it had patched them already: a helper whose modules are patched runs as it is
+  (the same values, in 40-60% less time).
 
 The interpreter computes 16-bit floats on their raw bits, so only float32 runs here, which is what
 ``lion_attention`` hands fla (``ops/fla.py``)."""
 import ast
+import functools
 import importlib.util
+import inspect
 import os
 from typing import Optional
 
@@ -75,3 +80,29 @@ def install() -> None:
             return node
 
     interpreter.FunctionRewriter.ast_transformer = Transformer()
+
+    # A helper's own patches are never undone (Triton drops their scope): a patch is in place from the
+    # launch's start to its end, or for good.
+    patch_lang = interpreter._patch_lang
+    in_place = []  # the language modules of each patch not yet undone
+
+    @functools.lru_cache(maxsize=None)
+    def language_modules(fn) -> frozenset:
+        return frozenset(v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang_once(fn):
+        langs = language_modules(fn)
+        if langs and langs <= frozenset().union(*in_place):
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        in_place.append(langs)
+        restore = scope.restore
+
+        def restore_and_forget() -> None:
+            restore()
+            in_place.remove(langs)
+
+        scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = patch_lang_once
