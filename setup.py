@@ -20,5 +20,7 @@ setup(
         "demo": ["tensorboard", "matplotlib"],
         "test": ["pytest", "pytest-xdist", "hypothesis"],
     },
-    entry_points={"console_scripts": ["lion-fairseq-user-dir = lion_fairseq.user_dir:main"]},
+    # the console command lives outside the package, so that it prints the folder without importing fairseq
+    py_modules=["lion_fairseq_user_dir"],
+    entry_points={"console_scripts": ["lion-fairseq-user-dir = lion_fairseq_user_dir:main"]},
 )

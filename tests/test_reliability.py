@@ -266,6 +266,19 @@ def test_a_command_that_ends_while_fairseq_prefetches_exits_with_status_0():
     assert proc.returncode == 0 and "first batch" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_user_dir_command_prints_the_folder_without_importing_fairseq(tmp_path):
+    """``--user-dir "$(lion-fairseq-user-dir)"`` (README, Install) runs before every fairseq command typed
+    with it: it prints the package's folder, from any folder, without importing the package, fairseq or
+    torch (they took 4-5 s here)."""
+    command = Path(sys.executable).with_name("lion-fairseq-user-dir")
+    installed = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}  # the installed command's, not the checkout's
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(command)], env=installed, cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == USER_DIR
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "lion_fairseq_user_dir" in imported and not imported & {"lion_fairseq", "fairseq", "torch"}, imported
+
+
 def test_ddp_backends_that_cannot_run_on_cpu_are_refused_with_what_to_pass(text_data_bin):
     """c10d / pytorch_ddp hand a CUDA device id to torch's DDP: refused up front, naming legacy_ddp;
     fully_sharded needs fairscale, which fairseq says."""
