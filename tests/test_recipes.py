@@ -408,12 +408,15 @@ def test_finetune_metric_and_schedule_follow_the_task(stub_bin, glue_data, mlm, 
         args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK=name,
                         PRECISION="fp32")
         assert "--report-mcc" in args and option(args, "--best-checkpoint-metric") == "mcc"
-    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], ok=False,
+    # wrong settings are named before the checkpoint is read (here one that cannot be)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, junk, tmp_path], ok=False,
                    PRECISION="fp32", MAX_UPDATE="0")  # fairseq's polynomial decay asserted, naming nothing
-    assert "MAX_UPDATE must be a whole number above 0" in out
-    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], ok=False,
+    assert "MAX_UPDATE must be a whole number above 0" in out and "cannot be used" not in out, out
+    out = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, junk, tmp_path], ok=False,
                    PRECISION="fp32", BATCH_SIZE="abc")  # was bash's "abc: unbound variable"
-    assert "BATCH_SIZE must be a whole number above 0, got 'abc'" in out
+    assert "BATCH_SIZE must be a whole number above 0, got 'abc'" in out and "cannot be used" not in out, out
     args = run_stub(stub_bin, ["bash", RECIPES / "glue/finetune.sh", glue_data, ckpt, tmp_path], TASK="MRPC",
                     PRECISION="fp32")
     assert option(args, "--best-checkpoint-metric") == "acc_and_f1"

@@ -16,6 +16,12 @@ DATA=$1; CKPT=$2; SAVE=$3; shift 3
 [ -d "$DATA/input0" ] && [ -d "$DATA/label" ] || die "TASK_DATA_BIN $DATA lacks input0/ and label/: make it with prepare.sh"
 [ -f "$CKPT" ] || die "PRETRAINED_CHECKPOINT $CKPT not found"
 need fairseq-train
+# settings first: a wrong one is named before the checkpoint is read (seconds: it imports fairseq)
+BATCH_SIZE=${BATCH_SIZE:-32}
+MAX_EPOCH=${MAX_EPOCH:-10}
+whole BATCH_SIZE 0
+whole MAX_EPOCH
+[ -z "${MAX_UPDATE:-}" ] || whole MAX_UPDATE 0 "the linear decay ends there"
 # the arch, sizes and options the checkpoint was trained as, and the length it was trained at
 TRAINED_AS=(); TRAINED_POSITIONS=""
 TRAINED=$(python -m lion_fairseq.check_checkpoint --options --max-positions "$CKPT") \
@@ -32,10 +38,6 @@ encoder_arch "$ARCH"
 MAX_POSITIONS=${MAX_POSITIONS:-${TRAINED_POSITIONS:-128}}
 whole MAX_POSITIONS
 
-BATCH_SIZE=${BATCH_SIZE:-32}
-MAX_EPOCH=${MAX_EPOCH:-10}
-whole BATCH_SIZE 0
-whole MAX_EPOCH
 if [ -f "$DATA/preprocess.json" ]; then
   read -r JSON_CLASSES REGRESSION TRAIN_ROWS < <(python - "$DATA/preprocess.json" <<'PY'
 import json, sys
