@@ -266,6 +266,48 @@ def test_a_command_that_ends_while_fairseq_prefetches_exits_with_status_0():
     assert proc.returncode == 0 and "first batch" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_exit_hook_stops_prefetching_after_the_batch_in_hand_and_gives_up_on_a_stuck_source():
+    """The exit hook in process: a thread whose queue is full, waiting to put a batch, ends; one whose
+    source never yields is left after the timeout, not waited on forever."""
+    import threading
+
+    from fairseq.data.iterators import BufferedIterator
+    from lion_fairseq.clean_exit import finish_prefetching
+
+    release = threading.Event()
+
+    def source(stuck: bool):
+        while True:
+            if stuck:
+                release.wait()
+            yield torch.ones(64, 64) @ torch.ones(64, 64)
+
+    busy, stuck = BufferedIterator(2, list_like(source(False))), BufferedIterator(2, list_like(source(True)))
+    next(busy)
+    while busy._queue.qsize() < 2:  # full: its thread waits to put the next batch
+        time.sleep(0.01)
+    stuck._create_consumer()
+    started = time.monotonic()
+    finish_prefetching(timeout=0.5)
+    assert not busy._consumer.is_alive() and stuck._consumer.is_alive()
+    assert time.monotonic() - started < 5
+    release.set()  # let the stuck one finish too
+    finish_prefetching(timeout=10)
+    assert not stuck._consumer.is_alive()
+
+
+def list_like(iterator):
+    """An endless source with the length fairseq's iterator asks for."""
+    class Source:
+        def __len__(self):
+            return 10 ** 6
+
+        def __iter__(self):
+            return iterator
+
+    return Source()
+
+
 def test_user_dir_command_prints_the_folder_without_importing_fairseq(tmp_path):
     """``--user-dir "$(lion-fairseq-user-dir)"`` (README, Install) runs before every fairseq command typed
     with it: it prints the package's folder, from any folder, without importing the package, fairseq or
