@@ -38,12 +38,7 @@ def finish_prefetching(timeout: float = 30.0) -> None:
             thread.join(0.01)
 
 
-_installed = False
-
-
 def install() -> None:
     """Register ``finish_prefetching`` to run at exit; once, however often it is called."""
-    global _installed
-    if not _installed:
-        atexit.register(finish_prefetching)
-        _installed = True
+    atexit.unregister(finish_prefetching)
+    atexit.register(finish_prefetching)
