@@ -53,8 +53,8 @@ NUM_CLASSES=${NUM_CLASSES:-$JSON_CLASSES}
 if [ -z "${MAX_UPDATE:-}" ]; then
   [ -n "$TRAIN_ROWS" ] || die "set MAX_UPDATE (no $DATA/preprocess.json to count the training rows)"
   MAX_UPDATE=$(( (TRAIN_ROWS + BATCH_SIZE - 1) / BATCH_SIZE * MAX_EPOCH ))
+  whole MAX_UPDATE 0 "the linear decay ends there"  # a given one was checked with the settings above
 fi
-whole MAX_UPDATE 0 "the linear decay ends there"
 WARMUP_UPDATES=${WARMUP_UPDATES:-$(six_percent "$MAX_UPDATE")}
 PFLAGS=$(precision_flags "$@") || exit 2
 
