@@ -276,13 +276,20 @@ def test_exit_hook_stops_prefetching_after_the_batch_in_hand_and_gives_up_on_a_s
 
     release = threading.Event()
 
-    def source(stuck: bool):
-        while True:
-            if stuck:
-                release.wait()
-            yield torch.ones(64, 64) @ torch.ones(64, 64)
+    class Batches:  # endless, with the length fairseq's iterator asks for
+        def __init__(self, stuck: bool):
+            self.stuck = stuck
 
-    busy, stuck = BufferedIterator(2, list_like(source(False))), BufferedIterator(2, list_like(source(True)))
+        def __len__(self):
+            return 10 ** 6
+
+        def __iter__(self):
+            while True:
+                if self.stuck:
+                    release.wait()
+                yield torch.ones(64, 64) @ torch.ones(64, 64)
+
+    busy, stuck = BufferedIterator(2, Batches(False)), BufferedIterator(2, Batches(True))
     next(busy)
     while busy._queue.qsize() < 2:  # full: its thread waits to put the next batch
         time.sleep(0.01)
@@ -294,18 +301,6 @@ def test_exit_hook_stops_prefetching_after_the_batch_in_hand_and_gives_up_on_a_s
     release.set()  # let the stuck one finish too
     finish_prefetching(timeout=10)
     assert not stuck._consumer.is_alive()
-
-
-def list_like(iterator):
-    """An endless source with the length fairseq's iterator asks for."""
-    class Source:
-        def __len__(self):
-            return 10 ** 6
-
-        def __iter__(self):
-            return iterator
-
-    return Source()
 
 
 def test_user_dir_command_prints_the_folder_without_importing_fairseq(tmp_path):
