@@ -12,6 +12,8 @@ from typing import Optional
 import pytest
 import torch
 
+import warm_python
+
 # Without a GPU, flash-linear-attention's Triton kernels run under Triton's CPU interpreter
 # (tests/triton_interpreter.py). Triton reads this when a kernel is defined, i.e. when fla is imported:
 # before any test module can import it.
@@ -27,6 +29,10 @@ if _workers > 1:
     _threads = max(1, (os.cpu_count() or 1) // _workers)
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
+
+# fairseq's commands, wherever the tests start them, fork from a process that has imported torch and fairseq
+# (over half of the suite's CPU time was each command's imports); LION_TEST_COLD=1 starts each afresh
+warm_python.install()
 
 # `bash run.sh test` hands test files to its two workers in this order (xdist's --dist loadfile with
 # --no-loadscope-reorder): the longest first, so that no long file starts last while the other worker idles.
