@@ -23,6 +23,7 @@ from lion_fairseq.modules.lion_attention import LionAttention
 from lion_fairseq.modules.two_scan_attention import LionTwoScanAttention
 from preprocess import lra as prep
 from reference import reference_mask
+import warm_python
 
 FORMS = ("parallel", "chunk", "recurrent")
 
@@ -241,8 +242,9 @@ def test_listops_generated_tsv_to_training(tmp_path):
     meta = json.loads((data / "lra.json").read_text())
     assert meta["splits"]["valid"]["items"] == 5 and meta["splits"]["train"]["longest"] <= 200
     # through the recipe, which runs fairseq-train and then fairseq-validate on the test split
-    env = dict(os.environ, ARCH="lion_s_lra_tiny", MAX_UPDATE="3", BATCH_SIZE="4", VALIDATE_INTERVAL="3",
-               LOG_INTERVAL="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = warm_python.on_path(dict(os.environ, ARCH="lion_s_lra_tiny", MAX_UPDATE="3", BATCH_SIZE="4",
+                                   VALIDATE_INTERVAL="3", LOG_INTERVAL="1",
+                                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"))
     proc = subprocess.run(["bash", str(ROOT / "user_dir_examples" / "lra" / "train.sh"), "listops", str(data),
                            str(tmp_path / "ck"), "--lion-form", "recurrent", "--cpu", "--num-workers", "0"],
                           env=env, capture_output=True, text=True, timeout=600)

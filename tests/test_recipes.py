@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, USER_DIR, corpus_lines
+import warm_python
 
 RECIPES = ROOT / "user_dir_examples"
 TINY_ENCODER = ["model.encoder_layers=2", "model.encoder_embed_dim=128", "model.encoder_ffn_embed_dim=512",
@@ -30,7 +31,7 @@ def env(**settings: str) -> dict:
     e["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), e.get("PATH", "")])
     e["OMP_NUM_THREADS"] = "1"
     e.pop("USER_DIR", None)
-    return e
+    return warm_python.on_path(e)
 
 
 def run(argv, ok=True, stdin=None, **settings) -> str:

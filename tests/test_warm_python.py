@@ -37,3 +37,22 @@ def test_a_warm_command_can_be_fed_read_and_killed(tmp_path):
     waiting = subprocess.Popen([*SCORE, tmp_path / "ref.txt"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     waiting.send_signal(signal.SIGKILL)
     assert waiting.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_shell_scripts_commands_start_warm_with_their_own_status(tmp_path):
+    """A recipe's fairseq commands, through the stand-ins on_path puts first on its PATH."""
+    (tmp_path / "ref.txt").write_text("a b c d e\n")
+    script = ('echo "a b c d e" | fairseq-score --sys - --ref ref.txt\n'
+              'python -m fairseq_cli.score --ref ref.txt --no-such-option; echo "status $?"\n'
+              'python -c "import sys; print(sys.flags.no_site)"\n'  # not a fairseq command: the real python
+              # a command waiting on its input, terminated as a shell's job is
+              'mkfifo waiting; fairseq-score --sys - --ref ref.txt < waiting & exec 3> waiting\n'
+              'sleep 1; kill -TERM $!; wait $!; echo "status $?"\n')
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=warm_python.on_path(dict(os.environ)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "BLEU4 = 100.00" in proc.stdout, proc
+    said = [line for line in proc.stdout.splitlines() if not line.startswith(("Namespace", "BLEU4"))]
+    assert said == ["status 2", "0", "status 143"], proc.stdout
+    assert "unrecognized arguments: --no-such-option" in proc.stderr
+    if os.environ.get("LION_TEST_COLD") != "1":
+        assert warm_python.on_path({"PATH": "x"})["PATH"].endswith("bin:x")

@@ -10,7 +10,7 @@ files, or the test's own), in a process forked from a server that did those impo
 command's process is still a child of the test process (the server's middle process exits, and the test process
 is its "subreaper"), so ``wait``, ``poll``, ``kill`` and its exit status are a real process's. It exits as any
 Python program does (``atexit`` hooks, then thread shutdown). A ``lion_fairseq`` module started this way starts
-its own fairseq commands the same way.
+its own fairseq commands the same way, and a shell script (a recipe) does given :func:`on_path`'s environment.
 
 Only torch, numpy, scikit-learn and fairseq are imported ahead: the plugin (``--user-dir``) and the rest are
 imported by each command as it would be anyway. What fairseq logs as it is imported (that tensorboardX is missing)
@@ -21,12 +21,16 @@ plain subprocess, and so does everything when ``LION_TEST_COLD=1`` (to check tha
 Run as a script, this file is the server: it reads requests, with the three descriptors each command gets, from
 the socket whose descriptor is its argument.
 """
+import atexit
 import ctypes
 import json
 import os
+import selectors
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -35,6 +39,9 @@ from typing import Dict, List, Optional
 READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_", "TRITON_",
                   "PYTHON", "LD_", "MALLOC_", "NUMEXPR_")
 BIN = Path(sys.executable).parent
+TESTS = Path(__file__).resolve().parent
+CONSOLE_SCRIPTS = ("fairseq-train", "fairseq-hydra-train", "fairseq-validate", "fairseq-eval-lm", "fairseq-generate",
+                   "fairseq-interactive", "fairseq-preprocess", "fairseq-score")
 WARM_MODULES = ("fairseq_cli.", "lion_fairseq.")  # each imports fairseq first (lion_fairseq's __init__ does)
 
 
@@ -56,11 +63,23 @@ def import_time_env(env: Dict[str, str]) -> tuple:
 class Server:
     def __init__(self, env: Dict[str, str]):
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # where the stand-ins for fairseq's console scripts and `python` (tests/warm_command.py) reach it
+        self.dir = Path(tempfile.mkdtemp(prefix="warm-python-"))
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.bin = self.dir / "bin"
+        self.bin.mkdir()
+        for name in (*CONSOLE_SCRIPTS, "python"):
+            stand_in = self.bin / name
+            stand_in.write_text(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+                                f"import warm_command\nwarm_command.main({str(BIN / name)!r})\n")
+            stand_in.chmod(0o755)
         # unbuffered, as the tests' commands run: what a command prints before it dies reaches its reader
-        self.proc = _Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                           env=dict(env, PYTHONUNBUFFERED="1"), stdin=subprocess.DEVNULL)
+        self.proc = _Popen([sys.executable, __file__, str(theirs.fileno()), str(self.dir / "socket")],
+                           pass_fds=[theirs.fileno()], env=dict(env, PYTHONUNBUFFERED="1"), stdin=subprocess.DEVNULL)
         theirs.close()
         self.lock = threading.Lock()
+        if self.socket.recv(64) != b"listening":  # before a stand-in can be started
+            raise RuntimeError(f"the tests' fairseq server did not start ({self.proc.wait()}): see the test's stderr")
 
     def start(self, request: dict, fds: List[int]) -> int:
         """Fork ``request``'s command with ``fds`` as its stdin, stdout and stderr; its pid."""
@@ -70,6 +89,13 @@ class Server:
         if not answer:
             raise RuntimeError(f"the tests' fairseq server ended ({self.proc.poll()}): see the test's stderr")
         return json.loads(answer)["pid"]
+
+
+def server(env: Dict[str, str]) -> Server:
+    key = import_time_env(env)
+    if key not in _servers:
+        _servers[key] = Server(env)
+    return _servers[key]
 
 
 _servers: Dict[tuple, Server] = {}
@@ -90,13 +116,10 @@ class WarmPopen(subprocess.Popen):
                                           errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
                                           process_group)
         env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
-        key = import_time_env(env)
-        if key not in _servers:
-            _servers[key] = Server(env)
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         request = {"command": command, "cwd": os.path.abspath(os.fsdecode(cwd) if cwd else os.getcwd()), "env": env}
         try:
-            self.pid = _servers[key].start(request, fds)
+            self.pid = server(env).start(request, fds)
             self._child_created = True
         finally:
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
@@ -117,6 +140,19 @@ def install() -> None:
     subprocess.Popen = WarmPopen
 
 
+def on_path(env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` for a shell script (a recipe) whose fairseq commands should start warm: stand-ins for fairseq's
+    console scripts and for ``python`` first on its PATH. A stand-in runs its command in a fork of the server for
+    ``env``, as the command's parent, and ends as the command ends (with its status, or killed by the same
+    signal); given anything else (``python -c``, another ``python -m``, a variable the server read with another
+    value), it execs the real command."""
+    if subprocess.Popen is not WarmPopen:
+        return env
+    warm = server(env)
+    return dict(env, PATH=os.pathsep.join([str(warm.bin), env.get("PATH", "")]),
+                LION_WARM_SOCKET=str(warm.dir / "socket"))
+
+
 # ---- the server --------------------------------------------------------------------------------------------
 
 def _become(request: dict, fds: List[int]) -> None:
@@ -131,6 +167,8 @@ def _become(request: dict, fds: List[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, value in _set_by_imports.items():
+        os.environ.setdefault(name, value)
     # a fresh process has no logging set up: the command's own logging.basicConfig must take effect
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -150,9 +188,75 @@ def _become(request: dict, fds: List[int]) -> None:
     sys.exit(0)
 
 
-def _serve(fd: int) -> None:
+def _start_for_test_process(requests: socket.socket) -> bool:
+    """One request of the test process (WarmPopen): fork its command, hand it over, answer its pid."""
+    message, fds, _, _ = socket.recv_fds(requests, 1 << 20, 3)
+    if not message:
+        return False  # the test process has ended
+    request = json.loads(message)
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(read)
+        _close_server_files()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            _become(request, fds)
+        os.write(write, str(pid).encode())
+        os._exit(0)
+    os.close(write)
+    pid = int(os.read(read, 64))
+    os.close(read)
+    # once the middle process has ended, the command is the test process's child
+    os.waitpid(middle, 0)
+    for fd in fds:
+        os.close(fd)
+    requests.send(json.dumps({"pid": pid}).encode())
+    return True
+
+
+def _run_for_stand_in(connection: socket.socket) -> None:
+    """In a fork of the server: one stand-in's command, as its parent; its exit status to the stand-in."""
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    request = json.loads(message)
+    if import_time_env(request["env"]) != _started_with:
+        connection.send(b'{"cold": true}')
+        os._exit(0)
+    pid = os.fork()
+    if pid == 0:
+        connection.close()
+        _become(request, fds)
+    for fd in fds:
+        os.close(fd)
+    connection.send(json.dumps({"pid": pid}).encode())
+    _, status = os.waitpid(pid, 0)
+    connection.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+    os._exit(0)
+
+
+_server_files: list = []  # a command started from the server inherits none of them
+_started_with: tuple = ()  # the server's import_time_env
+_set_by_imports: Dict[str, str] = {}  # variables the imports set where they were unset, as they would in a command
+
+
+def _close_server_files() -> None:
+    for f in _server_files:
+        f.close()
+
+
+def _serve(fd: int, path: str) -> None:
     requests = socket.socket(fileno=fd)
-    os.dup2(os.open(os.devnull, os.O_RDWR), 1)
+    stand_ins = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stand_ins.bind(path)
+    stand_ins.listen()
+    requests.send(b"listening")  # stand-ins may connect now: they wait until the imports below are done
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    global _started_with
+    before = dict(os.environ)
+    _started_with = import_time_env(before)
     # what every fairseq command imports first; nothing runs yet, so that forking stays safe
     import numpy  # noqa: F401
     import sklearn.metrics  # noqa: F401
@@ -160,32 +264,29 @@ def _serve(fd: int) -> None:
     import fairseq.checkpoint_utils  # noqa: F401
     import fairseq.options  # noqa: F401
     import fairseq.trainer  # noqa: F401
+    _set_by_imports.update((k, v) for k, v in os.environ.items() if before.get(k) != v)  # scikit-learn's KMP_*
 
+    ready = selectors.DefaultSelector()
+    ready.register(requests, selectors.EVENT_READ)
+    ready.register(stand_ins, selectors.EVENT_READ)
+    _server_files.extend([requests, stand_ins, ready])
     while True:
-        message, fds, _, _ = socket.recv_fds(requests, 1 << 20, 3)
-        if not message:
-            return  # the test process has ended
-        request = json.loads(message)
-        read, write = os.pipe()
-        middle = os.fork()
-        if middle == 0:
-            requests.close()
-            os.close(read)
-            pid = os.fork()
-            if pid == 0:
-                os.close(write)
-                _become(request, fds)
-            os.write(write, str(pid).encode())
-            os._exit(0)
-        os.close(write)
-        pid = int(os.read(read, 64))
-        os.close(read)
-        # once the middle process has ended, the command is the test process's child
-        os.waitpid(middle, 0)
-        for fd in fds:
-            os.close(fd)
-        requests.send(json.dumps({"pid": pid}).encode())
+        for key, _ in ready.select(timeout=1.0):
+            if key.fileobj is requests and not _start_for_test_process(requests):
+                return
+            if key.fileobj is stand_ins:
+                connection, _ = stand_ins.accept()
+                if os.fork() == 0:
+                    _close_server_files()
+                    _run_for_stand_in(connection)
+                connection.close()
+        while True:  # the stand-ins' forks that have ended (a middle process is always waited for at once)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), sys.argv[2])
