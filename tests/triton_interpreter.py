@@ -1,5 +1,5 @@
 """flash-linear-attention's real Triton kernels, and LION's own (ops/kernel.py), on CPU under Triton's
-interpreter (``TRITON_INTERPRET=1``, set by conftest.py before fla is imported). Four patches of the
+interpreter (``TRITON_INTERPRET=1``, set by conftest.py before fla is imported). Five patches of the
 interpreter, none of fla's files (measured with triton 3.9.0 and fla-core 0.6.0):
 
 - the autotuner benchmarks its configs on a device driver, of which the CPU has none ("0 active
@@ -12,11 +12,14 @@ interpreter, none of fla's files (measured with triton 3.9.0 and fla-core 0.6.0)
   and biased toward zero. They round to nearest here;
 - each call of a ``@triton.jit`` helper patched the language modules again, scanning them whole, though
   the launch running it had patched them already: a helper whose modules are patched runs as it is
-  (the same values, in 40-60% less time).
+  (the same values, in 40-60% less time);
+- every integer +, - and * computed an overflow check in int64 for a device assertion that only debug mode
+  evaluates, and the interpreter is never in debug mode: the checks are built only in debug mode.
 
 The interpreter computes 16-bit floats on their raw bits, so only float32 runs here, which is what
 ``lion_attention`` hands fla (``ops/fla.py``)."""
 import ast
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -106,3 +109,9 @@ def install() -> None:
         return scope
 
     interpreter._patch_lang = patch_lang_once
+
+    # Integer overflow checks: Triton builds them (int64 casts, a range test) for every integer +, - and *, to
+    # feed a device_assert that does nothing unless debug is on, which the interpreter never turns on. They
+    # are built only where they can fire.
+    builder = interpreter.interpreter_builder  # the one every launch uses
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=builder.options.debug)
