@@ -5,6 +5,7 @@ through a fixed permutation), written by the test.
 Decoding through the recurrent state equals the teacher-forced full pass (beam search, its reordering
 and its shrinking batch, left-padded sources) for every variant and both kinds of cross-attention; the
 decoder's state does not grow with the target; fairseq's own tools train, generate, score and serve it."""
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -290,16 +291,23 @@ def test_interactive_score_and_hub(mt_data, trained, tmp_path):
     assert torch.load(trained, weights_only=True)["cfg"]["model"]["_name"] == "lion_s_transformer_tiny"
 
 
-def test_decode_benchmark_state_grows_only_with_softmax_attention(tmp_path):
+def test_decode_benchmark_state_grows_only_with_softmax_attention(tmp_path, one_thread, monkeypatch):
     """benchmark.translation decode at small size: the decoding state of LION with linear cross-attention
     is the same for any source, softmax cross-attention caches the source, the transformer both sides."""
-    from lion_fairseq.benchmark.translation import decode, decode_table
+    from types import SimpleNamespace
 
-    rows = decode(tmp_path, [8, 32], 16, 50)
+    from lion_fairseq.benchmark import translation
+
+    # each model in this process, not in a fresh one (which gives the benchmark a peak RSS of its own, and took
+    # 30 s here importing fairseq six times): the state is the model's, wherever it decodes
+    pool = SimpleNamespace(apply=lambda f, args: f(*args))
+    in_process = SimpleNamespace(Pool=lambda n: contextlib.nullcontext(pool))
+    monkeypatch.setattr(translation, "multiprocessing", SimpleNamespace(get_context=lambda method: in_process))
+    rows = translation.decode(tmp_path, [8, 32], 16, 50)
     mib = {(r["model"], r["S"]): r["state_mib"] for r in rows}
     assert mib["lion_s linear cross-attn", 8] == mib["lion_s linear cross-attn", 32]
     assert mib["lion_s", 8] < mib["lion_s", 32] and mib["transformer", 8] < mib["transformer", 32]
-    assert "| 32 | lion_s linear cross-attn |" in decode_table(rows)
+    assert "| 32 | lion_s linear cross-attn |" in translation.decode_table(rows)
 
 
 def test_override_of_what_the_weights_were_trained_as_is_refused(mt_data, trained):
