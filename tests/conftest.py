@@ -31,15 +31,15 @@ if _workers > 1:
     torch.set_num_threads(_threads)
 
 # fairseq's commands, wherever the tests start them, fork from a process that has imported torch and fairseq
-# (over half of the suite's CPU time was each command's imports); LION_TEST_COLD=1 starts each afresh
+# (each spent 5-6 s importing them, and the suite starts about 160); LION_TEST_COLD=1 starts each afresh
 warm_python.install()
 
 # `bash run.sh test` hands test files to its two workers in this order (xdist's --dist loadfile with
 # --no-loadscope-reorder): the longest first, so that no long file starts last while the other worker idles.
-# The nine that take longest, by the CPU seconds each took alone on a CI-like machine (170 down to 70; the
-# others under 65).
-LONGEST_FIRST = ("test_reliability.py", "test_kernel.py", "test_convert.py", "test_encoder.py", "test_lm.py",
-                 "test_recipes.py", "test_translation.py", "test_demo.py", "test_gpu_benchmark.py")
+# The nine that take longest, by their tests' seconds in a whole run on a CI-like machine (127 down to 54; the
+# others under 45).
+LONGEST_FIRST = ("test_kernel.py", "test_reliability.py", "test_mixed_precision.py", "test_convert.py",
+                 "test_recipes.py", "test_fla.py", "test_lm.py", "test_encoder.py", "test_translation.py")
 
 
 def pytest_collection_modifyitems(items):
