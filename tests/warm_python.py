@@ -18,8 +18,9 @@ is logged once, by the server. A variable that those imports read (threads, CUDA
 settings) cannot change in a fork, so each set of their values gets a server of its own. Anything else runs as a
 plain subprocess, and so does everything when ``LION_TEST_COLD=1`` (to check that no test depends on this).
 
-Run as a script, this file is the server: it reads requests, with the three descriptors each command gets, from
-the socket whose descriptor is its argument.
+Run as a script, this file is the server: it reads requests, each with the three descriptors its command gets,
+from the test process on the socket whose descriptor is its first argument, and from stand-ins on the Unix
+socket at its second.
 """
 import atexit
 import ctypes
