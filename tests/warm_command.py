@@ -1,23 +1,20 @@
 """The stand-in for a fairseq console script, or for ``python``, on a recipe's PATH (tests/warm_python.py's
 ``on_path``): it runs the command in a fork of the warm server, passing it this process's stdin, stdout and
 stderr, forwards the signals a shell sends, and ends as the command ends. Anything the server does not run warm
-is exec'd as it is. It imports only what Python starts with (it runs under ``python -S``)."""
+is exec'd as it is. It runs under ``python -S``: warm_python imports nothing beyond Python's own library."""
 import json
 import os
 import signal
 import socket
 import sys
 
-WARM_MODULES = ("fairseq_cli.", "lion_fairseq.")  # as in warm_python.py
+from warm_python import warm_command
 
 
 def main(real: str) -> None:
     argv = sys.argv[1:]
-    if os.path.basename(real) != "python":
-        command = ["path", real, *argv]
-    elif len(argv) >= 2 and argv[0] == "-m" and argv[1].startswith(WARM_MODULES):
-        command = ["module", argv[1], *argv[2:]]
-    else:
+    command = warm_command([real, *argv])
+    if command is None:
         os.execv(real, [real, *argv])
     try:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -71,8 +71,9 @@ class Server:
         self.bin.mkdir()
         for name in (*CONSOLE_SCRIPTS, "python"):
             stand_in = self.bin / name
+            real = sys.executable if name == "python" else str(BIN / name)  # as warm_command() recognises them
             stand_in.write_text(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                                f"import warm_command\nwarm_command.main({str(BIN / name)!r})\n")
+                                f"import warm_command\nwarm_command.main({real!r})\n")
             stand_in.chmod(0o755)
         # unbuffered, as the tests' commands run: what a command prints before it dies reaches its reader
         self.proc = _Popen([sys.executable, __file__, str(theirs.fileno()), str(self.dir / "socket")],
