@@ -25,6 +25,9 @@ TRAIN = ["--cpu", "--num-workers", "0", "--seed", "1", "--optimizer", "adam", "-
          "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "2", "--criterion", "masked_lm", "--task", "masked_lm",
          "--tokens-per-sample", "32", "--batch-size", "8", "--disable-validation", "--no-epoch-checkpoints",
          "--log-format", "json", "--log-interval", "1", "--no-progress-bar"]
+# For the teachers, trained without the plugin: fairseq's prefetching thread can abort a run at exit after it
+# has saved (the plugin's clean_exit hook guards LION runs only); no thread, no abort, the same checkpoint.
+NO_PREFETCH = ["--data-buffer-size", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def roberta(text_data_bin, tmp_path_factory):
     not yet uniform), dict.txt beside it."""
     save = tmp_path_factory.mktemp("roberta")
     fairseq_cli("train", str(text_data_bin), *TRAIN, "--arch", "roberta_base", *SIZE, "--max-positions", "32",
-                "--max-update", "40", "--lr", "0.002", "--save-dir", str(save))
+                "--max-update", "40", "--lr", "0.002", "--save-dir", str(save), *NO_PREFETCH)
     shutil.copy(text_data_bin / "dict.txt", save / "dict.txt")
     return save / "checkpoint_last.pt"
 
@@ -403,7 +406,7 @@ def transformer_lm(text_data_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp("transformer_lm")
     fairseq_cli("train", str(text_data_bin), *LM_TRAIN, "--arch", "transformer_lm", *LM_SIZE, "--decoder-input-dim",
                 "64", "--decoder-output-dim", "64", "--decoder-learned-pos", "--batch-size", "16", "--lr", "0.005",
-                "--warmup-updates", "4", "--max-update", "40", "--save-dir", str(save))
+                "--warmup-updates", "4", "--max-update", "40", "--save-dir", str(save), *NO_PREFETCH)
     return save / "checkpoint_last.pt"
 
 
@@ -688,7 +691,7 @@ def transformer(mt_data, tmp_path_factory):
     sizes, 20 updates."""
     save = tmp_path_factory.mktemp("transformer")
     fairseq_cli("train", str(mt_data), *MT_TRAIN, "--arch", "transformer", *MT_SIZE, "--max-update", "20",
-                "--save-dir", str(save))
+                "--save-dir", str(save), *NO_PREFETCH)
     return save / "checkpoint_last.pt"
 
 
