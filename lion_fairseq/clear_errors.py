@@ -2,10 +2,11 @@
 another architecture, a checkpoint read without ``--user-dir``, an empty data split, ``--ddp-backend
 c10d`` on CPU, a misspelled ``--model-overrides`` key, ``fairseq-eval-lm`` on samples longer than the
 model's positions or on a model of another kind, a run resumed as another model, ``fairseq-train --bf16``,
-``--print-alignment`` on linear cross-attention.
+``--print-alignment`` on linear cross-attention, a LION arch with another model's ``--task``, a ``--lion-*``
+option where no model takes it (``fairseq-eval-lm --lion-form``: ``--model-overrides``).
 Each says what is wrong and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps nine
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps ten
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
 do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
@@ -16,10 +17,10 @@ last line a user reads, and which starts from random weights where a ``--restore
 ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line),
 ``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm),
 ``distributed.utils.broadcast_object`` (which resumes a multi-process run through a ``torch.load`` that
-``weights_only`` refuses) and ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
-weights are formed). Without
-``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
-intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
+``weights_only`` refuses), ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
+weights are formed) and ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
+takes). Without ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot
+be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
 truncated, which model and arch, what to pass).
 
 Checkpoints are read with torch's ``weights_only=True`` default; ``argparse.Namespace`` (the legacy
@@ -426,6 +427,122 @@ def _wrap_language_model_build(original):
     return build_model
 
 
+# LION's models: what each is, the tasks it trains with, its archs
+LION_MODELS = {
+    "lion_roberta": ("an encoder (RoBERTa's kind)", ("masked_lm", "sentence_prediction"),
+                     "lion_{lit,d,s}[_tiny|_large]"),
+    "lion_lm": ("a causal language model", ("language_modeling",), "lion_{lit,d,s}_lm[_tiny]"),
+    "lion_transformer": ("a translation model", ("translation",), "lion_{lit,d,s}_transformer[_tiny|_iwslt_de_en]"),
+    "lion_lra": ("a Long Range Arena classifier", ("lra_listops", "lra_text", "lra_retrieval", "lra_image"),
+                 "lion_{lit,d,s}_lra_{listops,text,retrieval,image}"),
+}
+
+
+def wrong_task_message(args: Any) -> Optional[str]:
+    """Where fairseq-train's ``--arch`` is a LION model that ``--task`` does not train (one of ``LION_MODELS``'
+    tasks, for another of its models), what to pass; else None. fairseq stopped later with omegaconf's
+    "Interpolation key 'task.max_target_positions' not found", or an AttributeError of the task."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    task, arch = getattr(args, "task", None), getattr(args, "arch", None)
+    model = ARCH_MODEL_NAME_REGISTRY.get(arch) if isinstance(arch, str) else None
+    if model not in LION_MODELS or not isinstance(task, str):
+        return None
+    takes = next((other for other, (_, tasks, _) in LION_MODELS.items() if task in tasks), model)
+    if takes == model:  # its task, or one LION does not know (a user's own)
+        return None
+    what, tasks, _ = LION_MODELS[model]
+    tasks = ", ".join(tasks[:-1]) + " or " + tasks[-1] if len(tasks) > 1 else tasks[0]
+    return (f"--arch {arch} is {what}, which trains with --task {tasks}; --task {task} takes "
+            f"{LION_MODELS[takes][0]}: pass an arch of {LION_MODELS[takes][2]} with it")
+
+
+def check_task(args: Any) -> None:
+    """Raise ``wrong_task_message`` where there is one (called by every LION arch function)."""
+    message = wrong_task_message(args)
+    if message:
+        raise ValueError(message)
+
+
+def lion_flags() -> Dict[str, str]:
+    """Every ``--lion-*`` flag of LION's models (with the ``--no-`` form of a boolean) -> its config key."""
+    import dataclasses
+
+    from fairseq.models import MODEL_DATACLASS_REGISTRY
+
+    flags = {}
+    for model in LION_MODELS:
+        for f in dataclasses.fields(MODEL_DATACLASS_REGISTRY[model]):
+            if f.name.startswith("lion_"):
+                flag = "--" + f.name.replace("_", "-")
+                flags[flag] = f.name
+                if f.type in (bool, Optional[bool]) and f.default is not False:  # --x/--no-x pairs
+                    flags["--no-" + flag[2:]] = f.name
+    return flags
+
+
+def misplaced_lion_flag_message(flag: str, value: Optional[str], arch: Optional[str]) -> str:
+    """What to do with LION's ``flag`` (``value`` as typed, None for none) on a command line without a model
+    that takes it: fairseq-train with ``--arch`` another model, or a tool that reads the model from its
+    checkpoint (fairseq-eval-lm, -validate, -generate, -interactive)."""
+    import ast
+    import dataclasses
+
+    from fairseq.models import MODEL_DATACLASS_REGISTRY
+
+    key = lion_flags()[flag]
+    if arch is not None:
+        owners = [f"{LION_MODELS[model][2]} ({LION_MODELS[model][0]})" for model in LION_MODELS
+                  if key in {f.name for f in dataclasses.fields(MODEL_DATACLASS_REGISTRY[model])}]
+        owners = "every LION arch" if len(owners) == len(LION_MODELS) else "the archs " + " and ".join(owners)
+        return f"{flag} is an option of {owners}, not of --arch {arch}: leave it out"
+    if key in FIXED_BY_TRAINING:
+        return (f"{flag}: this command runs the checkpoint's model as it was trained, and {key} is set by "
+                "training: leave it out (fairseq-train with the option trains or fine-tunes a model that has it)")
+    if value is None:
+        shown = "<value>"
+    else:
+        try:
+            shown = repr(ast.literal_eval(value))  # 128, not '128'
+        except (ValueError, SyntaxError):
+            shown = repr(value)
+    return (f"{flag}: this command takes the model's options from its checkpoint, and a trained checkpoint "
+            f"switches {key} with --model-overrides \"{{'{key}': {shown}}}\"")
+
+
+class _MisplacedLionFlag(argparse.Action):
+    def __init__(self, *args: Any, from_checkpoint: bool, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.from_checkpoint = from_checkpoint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        arch = None if self.from_checkpoint else getattr(namespace, "arch", None)
+        parser.error(misplaced_lion_flag_message(option_string, values, arch))
+
+
+def refuse_misplaced_lion_flags(parser: argparse.ArgumentParser) -> None:
+    """On a tool that reads the model from a checkpoint (it has ``--model-overrides``), or on fairseq-train
+    with another model's ``--arch``, each LION flag the parser lacks stops it with what to pass (argparse
+    said only "unrecognized arguments"). Hidden, and unset it adds nothing to the parsed arguments."""
+    known = parser._option_string_actions
+    if "--arch" not in known and "--model-overrides" not in known:
+        return
+    # fairseq-generate's parser has an --arch too (its default: wav2vec2), which builds nothing
+    action = functools.partial(_MisplacedLionFlag, from_checkpoint="--model-overrides" in known)
+    for flag in lion_flags():
+        if flag not in known:
+            parser.add_argument(flag, action=action, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _wrap_task_add_args(original):
+    @functools.wraps(original)
+    def add_args(cls, parser):
+        original(cls, parser)
+        refuse_misplaced_lion_flags(parser)
+    add_args.__lion_wrapped__ = True
+    return classmethod(add_args)
+
+
 def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int, break_mode: str = "none") -> Optional[str]:
     """What fairseq-eval-lm would silently leave out: samples of ``sizes`` (tokens, a numpy array) longer
     than the model's ``limit`` positions (an int; None or a tuple: no check). None if nothing."""
@@ -541,6 +658,10 @@ def install() -> None:
 
     if not getattr(FairseqTask.build_generator, "__lion_wrapped__", False):
         FairseqTask.build_generator = _wrap_build_generator(FairseqTask.build_generator)
+    # fairseq-train and the evaluation tools add the task's options after the model's: a LION flag still
+    # missing then has no model to take it
+    if not getattr(FairseqTask.add_args, "__lion_wrapped__", False):
+        FairseqTask.add_args = _wrap_task_add_args(FairseqTask.__dict__["add_args"].__func__)
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------
@@ -618,8 +739,9 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
             return (f"{DICTIONARY_DIFFERS} ({key}: the checkpoint has {rows} rows, one per entry of the dictionary "
                     f"it was trained with, and the model {built}, from the data folder's): pass the data folder "
                     "(data-bin) the checkpoint was trained on, whose dict*.txt it was built with, or binarise this "
-                    "data with that dictionary (fairseq-preprocess --srcdict; the GLUE recipe's prepare.sh takes "
-                    "the pretraining data-bin)")
+                    "data with that dictionary (fairseq-preprocess --srcdict; python -m preprocess.text "
+                    "--spm-model <that data-bin>/sentencepiece.bpe.model; the GLUE recipe's prepare.sh takes the "
+                    "pretraining data-bin)")
     return None
 
 
@@ -819,8 +941,9 @@ def embed_tokens_checked(embed: torch.nn.Embedding, tokens: torch.Tensor) -> tor
         raise ValueError(
             f"token id {int(tokens.max())} is past the dictionary's {embed.num_embeddings} entries: the tokens were "
             "made with another (larger) dictionary than the dict.txt in the data folder (or than the checkpoint's). "
-            "Binarise with fairseq-preprocess --srcdict <the dict.txt you train with>, or use the dict.txt written "
-            "next to these .bin files; from Python, make token ids with the hub's encode() or its task's "
+            "Binarise with fairseq-preprocess --srcdict <the dict.txt you train with> (python -m preprocess.text: "
+            "--spm-model <its data-bin>/sentencepiece.bpe.model), or use the dict.txt written next to these .bin "
+            "files; from Python, make token ids with the hub's encode() or its task's "
             "dictionary") from e
 
 

@@ -763,6 +763,81 @@ def test_unknown_lion_values_name_the_option(text_data_bin, capsys, bad, message
     assert re.search(message, text), text
 
 
+@pytest.mark.parametrize("task, arch, takes", [
+    ("masked_lm", "lion_s_lm_tiny", "lion_{lit,d,s}[_tiny|_large]"),
+    ("sentence_prediction", "lion_d_lm", "lion_{lit,d,s}[_tiny|_large]"),
+    ("language_modeling", "lion_s_tiny", "lion_{lit,d,s}_lm[_tiny]"),
+    ("masked_lm", "lion_s_transformer_tiny", "lion_{lit,d,s}[_tiny|_large]"),
+    ("translation", "lion_lm", "lion_{lit,d,s}_transformer[_tiny|_iwslt_de_en]"),
+    ("lra_listops", "lion_s_tiny", "lion_{lit,d,s}_lra_{listops,text,retrieval,image}"),
+])
+def test_a_lion_arch_with_another_models_task_names_the_archs_the_task_takes(text_data_bin, task, arch, takes):
+    """fairseq stopped in omegaconf ("Interpolation key 'task.max_target_positions' not found") or in an
+    AttributeError of the task; the arch now says what it is and which archs the task takes."""
+    with pytest.raises(ValueError, match=rf"--arch {arch} is .* which trains with --task .*; --task {task} takes .*"
+                                         rf"pass an arch of {re.escape(takes)} with it"):
+        training_args(text_data_bin, task, "--arch", arch)
+
+
+def test_a_task_lion_does_not_know_is_left_to_the_user(text_data_bin):
+    """A task outside the plugin's list (a user's own, or fairseq's sentence_ranking) is not refused."""
+    args = training_args(text_data_bin, "sentence_ranking", "--arch", "lion_s_tiny", "--num-classes", "2")
+    assert args.arch == "lion_s_tiny" and args.lion_variant == "s"
+
+
+CHECKPOINT_TOOLS = ["get_eval_lm_parser", "get_validation_parser", "get_generation_parser",
+                    "get_interactive_generation_parser"]
+
+
+def checkpoint_tool_error(text_data_bin, capsys, parser: str, *flags: str) -> str:
+    """What a tool that reads its model from a checkpoint (fairseq-eval-lm, -validate, -generate,
+    -interactive) says to ``flags`` while it parses its command line."""
+    from fairseq import options
+
+    with pytest.raises(SystemExit) as e:
+        options.parse_args_and_arch(getattr(options, parser)(), [
+            str(text_data_bin), "--user-dir", USER_DIR, "--path", "checkpoint.pt", "--task", "language_modeling",
+            *flags])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parser", CHECKPOINT_TOOLS)
+def test_lion_flags_on_tools_that_read_the_checkpoint_say_what_to_pass(text_data_bin, capsys, parser):
+    """argparse said only "unrecognized arguments: --lion-form recurrent"; the message now gives the override
+    that switches the form (a Python literal fairseq reads as it is), or says the option is set by training."""
+    import ast
+
+    for flags, key, value in ((["--lion-form", "recurrent"], "lion_form", "recurrent"),
+                              (["--lion-chunk-size=128"], "lion_chunk_size", 128)):
+        err = checkpoint_tool_error(text_data_bin, capsys, parser, *flags)
+        override = re.search(r'--model-overrides "(.*)"', err)
+        assert f"error: {flags[0].split('=')[0]}: this command takes the model's options from its checkpoint" in err
+        assert override and ast.literal_eval(override.group(1)) == {key: value}, err
+    for flag in ("--no-lion-normalize", "--lion-feature-map", "--lion-cross-attention"):
+        err = checkpoint_tool_error(text_data_bin, capsys, parser, flag, "identity")
+        assert f"error: {flag}: this command runs the checkpoint's model as it was trained" in err, err
+    # unset, they add nothing to what the tool parses
+    from fairseq import options
+
+    args = options.parse_args_and_arch(getattr(options, parser)(), [
+        str(text_data_bin), "--user-dir", USER_DIR, "--path", "checkpoint.pt", "--task", "language_modeling"])
+    assert not [k for k in vars(args) if k.startswith("lion_")]
+
+
+def test_lion_flags_on_fairseq_train_without_a_model_that_takes_them(text_data_bin, capsys):
+    """fairseq's own model, or a LION model of another kind, named with what takes the flag."""
+    with pytest.raises(SystemExit):
+        training_args(text_data_bin, "masked_lm", "--arch", "roberta", "--lion-form", "chunk")
+    assert "error: --lion-form is an option of every LION arch, not of --arch roberta: leave it out" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        training_args(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny", "--lion-cross-attention",
+                      "linear")
+    assert ("error: --lion-cross-attention is an option of the archs lion_{lit,d,s}_transformer[_tiny|_iwslt_de_en] "
+            "(a translation model), not of --arch lion_s_lm_tiny: leave it out") in capsys.readouterr().err
+
+
 def test_chunk_size_larger_than_the_sequence(text_data_bin):
     torch.manual_seed(0)
     for task, arch in (("masked_lm", "lion_s_tiny"), ("language_modeling", "lion_d_lm_tiny")):

@@ -24,7 +24,7 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
-from ..clear_errors import ClearLoadErrors, check_learned_positions, embed_tokens_checked
+from ..clear_errors import ClearLoadErrors, check_learned_positions, check_task, embed_tokens_checked
 from ..modules.encoder_layer import LionEncoderLayer
 from .convert import ROBERTA, check_ties, is_softmax_roberta, softmax_to_lion
 from .hub import bpe_from_data, load_pretrained
@@ -343,6 +343,7 @@ VARIANT_OF_ARCH = {"lion_lit": "lit", "lion_d": "d", "lion_retnet": "d", "lion_s
 def lion_roberta_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes and variant of
     ``lion_s``, everything else the config's default: ``--arch lion_roberta``."""
+    check_task(args)
     set_unset(args, dict(SIZES[""], lion_variant="s"))
     # --max-positions is also sentence_prediction's option (default 512): a None here would replace that
     # default, and fairseq stops at its int field; left out, the model takes the task's at build time

@@ -27,7 +27,7 @@ from omegaconf import II
 from torch import Tensor
 
 from ..clear_errors import (LEARNED_POSITIONS, PAST_LEARNED_POSITIONS, ClearLoadErrors, check_learned_positions,
-                             embed_tokens_checked)
+                             check_task, embed_tokens_checked)
 from ..modules.decoder_layer import LionDecoderLayer
 from ..modules.lion_attention import IncrementalState
 from .convert import LANGUAGE_MODEL, check_ties, is_softmax_lm, softmax_to_lion
@@ -265,6 +265,7 @@ class LionLanguageModel(ClearLoadErrors, DataBpeHub, FairseqLanguageModel):
 def lion_lm_base(args: Any) -> None:
     """Defaults of every field (transformer_lm size, LION-S): ``--arch lion_lm``; the named archs set
     theirs first."""
+    check_task(args)
     set_unset(args, dict(
         lion_variant="s",
         lion_form="chunk",

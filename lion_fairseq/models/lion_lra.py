@@ -28,7 +28,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
 from torch import Tensor
 
-from ..clear_errors import ClearLoadErrors
+from ..clear_errors import ClearLoadErrors, check_task
 from ..lra.ordering import ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
@@ -172,6 +172,7 @@ DEFAULT_SIZE = dict(SIZES["retrieval"], lion_variant="s", dropout=0.1)
 def lion_lra_base(args: Any) -> None:
     """Fill every option the command line (or the arch) left unset (None): sizes, variant and dropout of
     ``DEFAULT_SIZE``, everything else the config's default: ``--arch lion_lra``."""
+    check_task(args)
     set_unset(args, DEFAULT_SIZE)
     set_unset_from(args, LionLRAConfig)
 

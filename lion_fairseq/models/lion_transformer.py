@@ -28,7 +28,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from omegaconf import II
 from torch import Tensor
 
-from ..clear_errors import ClearLoadErrors
+from ..clear_errors import ClearLoadErrors, check_task
 from ..modules.encoder_layer import LionEncoderLayer
 from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, check_ties, is_softmax_transformer, softmax_to_lion
@@ -211,6 +211,7 @@ def refuse_two_position_choices(args: Any) -> None:
 def lion_transformer_base(args: Any) -> None:
     """Sizes and variant the command line (or the arch) left unset: transformer base and LION-S (``--arch
     lion_transformer``), the other options at their fields' defaults."""
+    check_task(args)
     if isinstance(args, argparse.Namespace):  # the command line; a checkpoint trained so loads as it trained
         refuse_two_position_choices(args)
     set_unset(args, dict(BASE, lion_variant="s", lion_normalize=True))
