@@ -3,10 +3,12 @@ another architecture, a checkpoint read without ``--user-dir``, an empty data sp
 c10d`` on CPU, a misspelled ``--model-overrides`` key, ``fairseq-eval-lm`` on samples longer than the
 model's positions or on a model of another kind, a run resumed as another model, ``fairseq-train --bf16``,
 ``--print-alignment`` on linear cross-attention, a LION arch with another model's ``--task``, a ``--lion-*``
-option where no model takes it (``fairseq-eval-lm --lion-form``: ``--model-overrides``).
+option where no model takes it (``fairseq-eval-lm --lion-form``: ``--model-overrides``), a misspelled model
+name (``model._name`` under fairseq-hydra-train), ``--num-classes`` below the labels of sentence_prediction's
+data.
 Each says what is wrong and what to pass; none changes what a working run does.
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps ten
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps twelve
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
 do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
@@ -18,9 +20,11 @@ last line a user reads, and which starts from random weights where a ``--restore
 ``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm),
 ``distributed.utils.broadcast_object`` (which resumes a multi-process run through a ``torch.load`` that
 ``weights_only`` refuses), ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
-weights are formed) and ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
-takes). Without ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot
-be intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
+weights are formed), ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
+takes), ``models.build_model`` (a model name fairseq does not know; under fairseq-hydra-train, options named
+as hydra spells them) and ``SentencePredictionTask.build_model`` (``--num-classes`` against the labels).
+Without ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
+intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
 truncated, which model and arch, what to pass).
 
 Checkpoints are read with torch's ``weights_only=True`` default; ``argparse.Namespace`` (the legacy
@@ -627,6 +631,68 @@ def _wrap_build_generator(original):
     return build_generator
 
 
+def unknown_model_message(cfg: Any) -> Optional[str]:
+    """Where ``cfg`` names a model fairseq has not registered (``model._name`` under fairseq-hydra-train, a
+    checkpoint's), what it is closest to; else None. fairseq's own assertion formats the config into its
+    message and stops with ``KeyError: "'_name'"`` instead."""
+    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_DATACLASS_REGISTRY
+
+    name = getattr(cfg, "_name", None) or getattr(cfg, "arch", None)
+    if not isinstance(name, str) or name in ARCH_MODEL_REGISTRY or name in MODEL_DATACLASS_REGISTRY:
+        return None
+    near = difflib.get_close_matches(name, sorted({*ARCH_MODEL_REGISTRY, *MODEL_DATACLASS_REGISTRY}), n=1)
+    return (f"model {name!r} is no model or arch fairseq knows" + (f": did you mean {near[0]!r}?" if near else "")
+            + " (LION's models: " + "; ".join(f"{m}, archs {LION_MODELS[m][2]}" for m in LION_MODELS) + ")")
+
+
+def _wrap_build_model(original):
+    @functools.wraps(original)
+    def build_model(cfg, *args, **kwargs):
+        message = unknown_model_message(cfg)
+        if message:
+            raise ValueError(message)
+        try:
+            return original(cfg, *args, **kwargs)
+        except ValueError as e:  # LION's options named as fairseq-train spells them
+            if not launched_by_hydra() or "--" not in str(e):
+                raise
+            raise ValueError(in_launchers_terms(str(e))) from e
+    build_model.__lion_wrapped__ = True
+    return build_model
+
+
+def num_classes_message(task: Any) -> Optional[str]:
+    """Where a sentence_prediction task's ``--num-classes`` is below the labels its label dictionary holds,
+    what to pass; else None (fairseq stopped at the first batch with such a label: "IndexError: Target 1 is
+    out of bounds"). Above them, it logs the classes no example has."""
+    cfg, labels = task.cfg, getattr(task, "label_dictionary", None)
+    if getattr(cfg, "regression_target", False) or labels is None or labels is task.source_dictionary:
+        return None
+    # fairseq-preprocess pads a dictionary with unused madeupword entries (count 0), and the task adds <mask>
+    names = [name for name, count in zip(labels.symbols[labels.nspecial:], labels.count[labels.nspecial:])
+             if count > 0 and name != "<mask>"]
+    where = os.path.join(str(cfg.data), "label", "dict.txt")
+    if cfg.num_classes < len(names):
+        return in_launchers_terms(f"--num-classes {cfg.num_classes}, and {where} holds {len(names)} labels "
+                                  f"({', '.join(names[:10])}{', ...' if len(names) > 10 else ''}): pass "
+                                  f"--num-classes {len(names)}")
+    if cfg.num_classes > len(names):
+        logger.warning(f"--num-classes {cfg.num_classes}, and {where} holds {len(names)} labels: the classification "
+                       f"head has {cfg.num_classes - len(names)} classes that no example has")
+    return None
+
+
+def _wrap_sentence_prediction_build(original):
+    @functools.wraps(original)
+    def build_model(self, cfg, *args, **kwargs):
+        message = num_classes_message(self)
+        if message:
+            raise ValueError(message)
+        return original(self, cfg, *args, **kwargs)
+    build_model.__lion_wrapped__ = True
+    return build_model
+
+
 def install() -> None:
     """Wrap fairseq's checkpoint readers, dataset loader, DDP wrapper and eval-lm batches (idempotent)."""
     from fairseq import checkpoint_utils, models
@@ -662,6 +728,12 @@ def install() -> None:
     # missing then has no model to take it
     if not getattr(FairseqTask.add_args, "__lion_wrapped__", False):
         FairseqTask.add_args = _wrap_task_add_args(FairseqTask.__dict__["add_args"].__func__)
+    if not getattr(models.build_model, "__lion_wrapped__", False):
+        models.build_model = _wrap_build_model(models.build_model)
+    from fairseq.tasks.sentence_prediction import SentencePredictionTask
+
+    if not getattr(SentencePredictionTask.build_model, "__lion_wrapped__", False):
+        SentencePredictionTask.build_model = _wrap_sentence_prediction_build(SentencePredictionTask.build_model)
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------
@@ -725,10 +797,17 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
         return (f"learned positions: the checkpoint has {a['positions']} and the model {b['positions']}; pass "
                 f"{option} {a['positions']} (the length it was trained with: learned positions have no weights past it, "
                 "so no --model-overrides or hub keyword of a longer one adds any)")
-    for fact, option in (("layers", f"--{stack}-layers"), ("width", f"--{stack}-embed-dim"),
-                         ("ffn", f"--{stack}-ffn-embed-dim")):
-        if a[fact] != b[fact]:
-            return f"{fact}: the checkpoint has {a[fact]} and the model {b[fact]}; pass {option} {a[fact]}"
+    # every size at once: a run per size was a user's way to find them
+    sizes = [(fact, option) for fact, option in (("layers", f"--{stack}-layers"), ("width", f"--{stack}-embed-dim"),
+                                                 ("ffn", f"--{stack}-ffn-embed-dim")) if a[fact] != b[fact]]
+    if sizes:
+        heads = (f" (and --{stack}-attention-heads that divides {a['width']}: the checkpoint's own, which its weights "
+                 "do not show; python -m lion_fairseq.check_checkpoint reads it from its config)"
+                 if a["width"] != b["width"] else "")
+        return (f"{' and '.join(fact for fact, _ in sizes)}: the checkpoint has "
+                f"{', '.join(str(a[fact]) for fact, _ in sizes)} and the model "
+                f"{', '.join(str(b[fact]) for fact, _ in sizes)}; pass "
+                f"{' '.join(f'{option} {a[fact]}' for fact, option in sizes)}{heads}")
     for fact, option in (("output gate", "--lion-output-gate"), ("short conv", "--lion-short-conv"),
                          ("norm after", "--lion-norm-after")):
         if a[fact] != b[fact]:
@@ -856,8 +935,9 @@ def in_launchers_terms(message: str) -> str:
         return message
     return (f"{message.rstrip('.')}. Under fairseq-hydra-train an option --some-option V named here is the key "
             "some_option=V of its group (model., task., checkpoint. ...: fairseq-hydra-train ... --cfg job lists "
-            "them), a flag is its key set to true (--reset-optimizer: checkpoint.reset_optimizer=true), and a key "
-            "the config file lacks takes a leading + (+model.lion_short_conv=4).")
+            "them), a flag is its key set to true (--reset-optimizer: checkpoint.reset_optimizer=true), and a key of "
+            "model., task., criterion., optimizer. or lr_scheduler. that the config file lacks takes a leading + "
+            "(+model.lion_short_conv=4).")
 
 
 def _wrap_trainer_load_checkpoint(original):

@@ -172,6 +172,17 @@ def test_a_different_size_is_refused_naming_the_option(roberta, text_data_bin, e
         model.load_state_dict(state, strict=True)
 
 
+def test_every_size_that_differs_is_named_at_once_with_the_teachers_values(roberta, text_data_bin):
+    """A user found the teacher's sizes one failed run at a time (layers, then width, then FFN)."""
+    state = torch.load(roberta, map_location="cpu", weights_only=False)["model"]
+    model = build_model(text_data_bin, "masked_lm", "--arch", "lion_s_tiny", "--tokens-per-sample", "32",
+                        "--max-positions", "32")[1]  # 2 x 128, FFN 512 (the teacher: 2 x 64, FFN 128)
+    with pytest.raises(ValueError, match=re.escape(
+            "encoder width 64 (this model 128), encoder FFN 128 (this model 512): pass --encoder-embed-dim 64 "
+            "--encoder-ffn-embed-dim 128, and the teacher's --encoder-attention-heads (a divisor of 64)")):
+        model.load_state_dict(state, strict=True)
+
+
 def test_fewer_learned_positions_take_the_teachers_first(roberta, text_data_bin):
     teacher = teacher_state(roberta)["encoder.sentence_encoder.embed_positions.weight"]
     model = build_model(text_data_bin, "masked_lm", "--arch", "lion_lit_tiny", *SIZE, "--tokens-per-sample", "16",

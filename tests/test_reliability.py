@@ -838,6 +838,49 @@ def test_lion_flags_on_fairseq_train_without_a_model_that_takes_them(text_data_b
             "(a translation model), not of --arch lion_s_lm_tiny: leave it out") in capsys.readouterr().err
 
 
+def test_num_classes_below_the_labels_is_refused_and_above_them_logged(labelled_data_bin, caplog):
+    """fairseq trained until the first batch with label 1 and stopped: "IndexError: Target 1 is out of bounds"."""
+    args = ("--criterion", "sentence_prediction", "--arch", "lion_s_tiny", "--max-positions", "64")
+    with pytest.raises(ValueError, match=r"--num-classes 1, and .*label/dict.txt holds 2 labels \((0, 1|1, 0)\): "
+                                         r"pass --num-classes 2"):
+        build(labelled_data_bin, "sentence_prediction", *args, "--num-classes", "1")
+    _, model = build(labelled_data_bin, "sentence_prediction", *args, "--num-classes", "3")
+    assert model.classification_heads["sentence_classification_head"].out_proj.out_features == 3
+    assert "--num-classes 3, and" in caplog.text and "1 classes that no example has" in caplog.text
+    caplog.clear()
+    build(labelled_data_bin, "sentence_prediction", *args, "--num-classes", "2")
+    assert "no example has" not in caplog.text
+
+
+def test_a_model_name_fairseq_does_not_know_is_named_with_the_nearest():
+    """fairseq's own assertion formats the config into its message and stops with KeyError: "'_name'"."""
+    from fairseq import models
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ValueError, match=r"model 'lion_robert' is no model or arch fairseq knows: did you mean "
+                                         r"'lion_roberta'\? \(LION's models: lion_roberta, archs "):
+        models.build_model(OmegaConf.create({"_name": "lion_robert", "encoder_layers": 2}), None)
+
+
+def test_model_errors_under_hydra_say_how_hydra_spells_the_options(text_data_bin, monkeypatch):
+    """An option named as fairseq-train spells it (--lion-chunk-size) gets hydra's spelling beside it when
+    fairseq-hydra-train runs."""
+    from fairseq import models, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(training_args(text_data_bin, "masked_lm", "--arch", "lion_s_tiny"))
+    task = tasks.setup_task(cfg.task)
+    cfg.model.lion_chunk_size = -4
+    with pytest.raises(ValueError) as plain:
+        models.build_model(cfg.model, task)
+    assert "--lion-chunk-size must be an integer >= 1" in str(plain.value)
+    assert "fairseq-hydra-train" not in str(plain.value)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fairseq-hydra-train", "--config-dir", "x"])
+    with pytest.raises(ValueError, match=r"--lion-chunk-size must be an integer >= 1.*Under fairseq-hydra-train an "
+                                         r"option --some-option V named here is the key some_option=V of its group"):
+        models.build_model(cfg.model, task)
+
+
 def test_chunk_size_larger_than_the_sequence(text_data_bin):
     torch.manual_seed(0)
     for task, arch in (("masked_lm", "lion_s_tiny"), ("language_modeling", "lion_d_lm_tiny")):

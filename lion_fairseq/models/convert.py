@@ -202,7 +202,7 @@ def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str
     structure the weights cannot show (heads, norms, activation), which the model took from its options."""
     _split_in_proj(state_dict)
     own = {prefix + k: v for k, v in model.state_dict().items()}
-    _check_depth(state_dict, own, prefix, layout)
+    _check_sizes(state_dict, own, prefix, layout)
     dropped = _drop_extra(state_dict, own, prefix, layout)
     _fit_shapes(state_dict, own, prefix, layout)
     added = _add_lion_own(state_dict, own, prefix, layout)
@@ -219,12 +219,31 @@ def softmax_to_lion(model: nn.Module, state_dict: Dict[str, Tensor], prefix: str
                     f"differ): {unseen}")
 
 
-def _check_depth(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
-    for stack, option in layout.stacks:
-        teacher, student = _layers(state_dict, prefix + stack), _layers(own, prefix + stack)
-        if teacher != student:
-            raise ValueError(f"the checkpoint has {teacher} {stack.split('.')[0]} layers and this model {student}: "
-                             f"pass {option} {teacher} (the teacher's depth)")
+def _stack_sizes(state_dict: Dict[str, Tensor], stack: str) -> Dict[str, Optional[int]]:
+    """A layer stack's depth, width and FFN width, read from its weights (None where they do not say)."""
+    fc1 = state_dict.get(stack + "layers.0.fc1.weight")
+    return {"layers": _layers(state_dict, stack), "width": None if fc1 is None else fc1.shape[1],
+            "FFN": None if fc1 is None else fc1.shape[0]}
+
+
+def _check_sizes(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> None:
+    """Every depth and width in which the teacher's layer stacks differ from the model's, refused at once with
+    the teacher's values (one option per failed run was how a user found them)."""
+    wrong, heads = [], []
+    for stack, depth in layout.stacks:
+        side = depth[2:].split("-")[0]  # encoder, decoder
+        teacher, student = _stack_sizes(state_dict, prefix + stack), _stack_sizes(own, prefix + stack)
+        for fact, option in (("layers", depth), ("width", f"--{side}-embed-dim"), ("FFN", f"--{side}-ffn-embed-dim")):
+            if None not in (teacher[fact], student[fact]) and teacher[fact] != student[fact]:
+                wrong.append((f"{side} {fact} {teacher[fact]} (this model {student[fact]})",
+                              f"{option} {teacher[fact]}"))
+                if fact == "width":
+                    heads.append(f"--{side}-attention-heads (a divisor of {teacher[fact]})")
+    if wrong:
+        raise ValueError("the checkpoint's sizes are not this model's: " + ", ".join(what for what, _ in wrong)
+                         + ": pass " + " ".join(option for _, option in wrong)
+                         + (f", and the teacher's {' and '.join(heads)}, which its weights do not show"
+                            if heads else ""))
 
 
 def _drop_extra(state_dict: Dict[str, Tensor], own: Dict[str, Tensor], prefix: str, layout: Layout) -> List[str]:
