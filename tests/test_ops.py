@@ -513,6 +513,44 @@ def test_memory_read_is_bidirectional_attention_without_decay():
         assert rel_err(y, ref) < 1e-5, (eps, normalize)
 
 
+def test_step_takes_lion_attentions_per_head_gate_as_one_per_head():
+    """A per-head gate ``(H, 1)``, as lion_attention takes it, was read against ``(B, H)`` as one gate per batch
+    row where B == H (and refused where not): decoding went wrong without a word."""
+    q, k, v, f, _ = make_inputs(9, "head", b=2, h=2)
+    assert f.shape == (2, 1)
+    ref = lion_attention(q, k, v, f, form="recurrent", causal=True)
+    state = None
+    for t in range(9):
+        y_t, state = lion_step(q[:, :, t], k[:, :, t], v[:, :, t], f, state)
+        torch.testing.assert_close(y_t, ref[:, :, t], atol=1e-5, rtol=1e-5)
+    S, z = causal_state(k, v, f)
+    torch.testing.assert_close(state[0], S, atol=1e-5, rtol=1e-5)
+    q3, k3, v3, f3, _ = make_inputs(9, "head", b=3, h=2)  # B != H: it was refused, now taken alike
+    y_t, _ = lion_step(q3[:, :, 1], k3[:, :, 1], v3[:, :, 1], f3, lion_step(q3[:, :, 0], k3[:, :, 0], v3[:, :, 0])[1])
+    torch.testing.assert_close(y_t, lion_attention(q3, k3, v3, f3, form="recurrent", causal=True)[:, :, 1],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_causal_state_refuses_what_lion_attention_refuses():
+    """It took a transposed mask as (B, L) and returned one state per position, integer keys, and failed
+    on other shapes with torch's or Python's words."""
+    _, k, v, f, _ = make_inputs(5, "token", b=2)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor of shape \(B, L\) = \(2, 5\)"):
+        causal_state(k, v, f, torch.zeros(5, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor"):
+        causal_state(k, v, f, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="k must be a floating-point tensor"):
+        causal_state(k.long(), v, f)
+    with pytest.raises(ValueError, match=r"k must be \(B, H, L, Dk\) and v"):
+        causal_state(k[0], v[0], f)
+    with pytest.raises(ValueError, match=r"k must be \(B, H, L, Dk\) and v"):
+        causal_state(k, v[:, :, :4], f)
+    with pytest.raises(ValueError, match="log_a_fwd must be broadcastable"):
+        causal_state(k, v, f[..., :4])
+    mask = torch.tensor([[1, 0, 0, 0, 0], [0, 0, 0, 1, 1]])  # an integer mask: the bool one it stands for
+    assert all(torch.equal(a, b) for a, b in zip(causal_state(k, v, f, mask), causal_state(k, v, f, mask.bool())))
+
+
 def test_causal_state_takes_a_gate_of_zero_as_lion_attention_does():
     """A log-gate of -inf is floored as ``lion_attention`` floors it: no -inf - -inf in the suffix sums."""
     _, k, v, f, _ = make_inputs(7, "token", seed=3)

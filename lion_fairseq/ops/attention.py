@@ -11,7 +11,7 @@ from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
 from .float32 import accumulation_dtype, check_eps, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate
-from .padding import bool_padding_mask, mask_padded_keys
+from .padding import checked_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
 from .parallel import parallel_attention
 from .recurrent import recurrent_attention
@@ -96,10 +96,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     check_float(q=q, k=k, v=v)
     B, H, L, _ = q.shape
     if key_padding_mask is not None:
-        if key_padding_mask.shape != (B, L):
-            raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
-                             f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
-        key_padding_mask = bool_padding_mask(key_padding_mask)
+        key_padding_mask = checked_padding_mask(key_padding_mask, B, L)
     for log_a, name in ((log_a_fwd, "log_a_fwd"), (log_a_bwd, "log_a_bwd")):  # log_a_bwd too where causal ignores it
         if log_a is not None:
             check_gate(log_a, name, (B, H, L))

@@ -16,6 +16,14 @@ def bool_padding_mask(key_padding_mask: Tensor) -> Tensor:
     return key_padding_mask != 0
 
 
+def checked_padding_mask(key_padding_mask: Tensor, B: int, L: int) -> Tensor:
+    """``key_padding_mask`` as bool, refused unless it is ``(B, L)``."""
+    if key_padding_mask.shape != (B, L):
+        raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = {(B, L)}; "
+                         f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    return bool_padding_mask(key_padding_mask)
+
+
 def mask_padded_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """Zero the keys and values at padding (``key_padding_mask`` ``(B, L)``, True there): they then add
     nothing to any state or score. k: ``(B, H, L, Dk)``, v: ``(B, H, L, Dv)``."""

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from .float32 import accumulation_dtype, check_eps, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate
-from .padding import mask_padded_keys
+from .padding import checked_padding_mask, mask_padded_keys
 
 State = Tuple[Tensor, Tensor]  # (S (B, H, Dk, Dv), z (B, H, Dk)), float32 (float64 for float64 inputs)
 
@@ -60,7 +60,7 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
 
     q_t, k_t: ``(B, H, Dk)``; v_t: ``(B, H, Dv)`` (or one-token slices ``(B, H, 1, D)`` of
     ``lion_attention``'s inputs, giving ``y_t`` ``(B, H, 1, Dv)``); log_a_t: ``(B, H)`` (or broadcastable,
-    ``(B, H, 1)`` too), ``None`` for gate 1; state: ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)``
+    ``(B, H, 1)`` too, and ``lion_attention``'s one gate per head ``(H, 1)``), ``None`` for gate 1; state: ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)``
     in float32 (float64 for float64 inputs), ``None`` at the start. Returns ``y_t`` ``(B, H, Dv)`` in
     ``v_t.dtype`` and the new state. ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``,
     ``y_t = q_t S_t / (q_t . z_t + eps)``.
@@ -77,6 +77,10 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
         raise ValueError(f"v_t must be (B, H, Dv) with the B, H of q_t; got {tuple(v_t.shape)}")
     check_float(q_t=q_t, k_t=k_t, v_t=v_t)
     check_eps(eps)
+    H = q_t.shape[1]
+    if isinstance(log_a_t, Tensor) and H > 1 and log_a_t.shape == (H, 1):
+        # lion_attention's per-head gate, as it broadcasts there; against (B, H) it read as one per batch row
+        log_a_t = log_a_t.reshape(1, H)
     if log_a_t is not None:
         check_gate(log_a_t, "log_a_t", tuple(q_t.shape[:2]))
     dtype = accumulation_dtype(v_t)
@@ -108,8 +112,16 @@ def causal_state(k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] = None,
     key_padding_mask: ``(B, L)`` bool; padded tokens are skipped (their keys and gates), so a left- or
     right-padded prompt leaves the state of its real tokens. Returns S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32.
     """
-    dtype = accumulation_dtype(v)
+    if k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k must be (B, H, L, Dk) and v (B, H, L, Dv) with k's (B, H, L); got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    check_float(k=k, v=v)
     B, H, L, _ = k.shape
+    if key_padding_mask is not None:
+        key_padding_mask = checked_padding_mask(key_padding_mask, B, L)
+    if log_a_fwd is not None:
+        check_gate(log_a_fwd, "log_a_fwd", (B, H, L))
+    dtype = accumulation_dtype(v)
     k, v = mask_padded_keys(k.to(dtype), v.to(dtype), key_padding_mask)
     if log_a_fwd is not None:
         # exp(sum_{u>j} log f_u) from a float64 suffix sum: every argument <= 0, exact near the end;
