@@ -150,6 +150,22 @@ def test_listops_values_and_release_format():
         assert s.count("(") == s.count(")")
 
 
+def test_listops_generator_stops_on_settings_that_make_no_more_expressions(tmp_path, monkeypatch, capsys):
+    """It looped forever, printing nothing: at depth 2 no expression reaches 20 tokens, and only 410 distinct
+    ones of at most 4 tokens exist with two arguments."""
+    monkeypatch.setattr(listops, "MAX_MISSES", 20000)
+    with pytest.raises(ValueError, match=r"no new expression of 20 to 40 tokens in 20,000 draws \(--max-depth 2, "
+                                         r"--max-args 10, --op-prob 0.25; 0 of 5 made\).*Raise --max-depth"):
+        listops.generate(5, random.Random(0), min_length=20, max_length=40, max_depth=2)
+    with pytest.raises(SystemExit):
+        listops.main(["--output-dir", str(tmp_path), "--num-train", "500", "--min-length", "1", "--max-length", "4",
+                      "--max-depth", "2", "--max-args", "2"])
+    assert "error: train: no new expression of 1 to 4 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        listops.main(["--output-dir", str(tmp_path), "--min-length", "100", "--max-length", "50"])
+    assert "error: --min-length 100 is above --max-length 50" in capsys.readouterr().err
+
+
 def test_listops_generator_keeps_an_expression_out_of_a_second_split(tmp_path):
     """Short expressions repeat often: each split still holds only expressions the others do not (else the
     test accuracy would count memorised training items)."""

@@ -104,6 +104,10 @@ def to_release_string(tree: Tree) -> str:
     return " ".join(parts)
 
 
+# draws without a new expression before giving up: runs of a few hundred are usual (the defaults: about 50)
+MAX_MISSES = 1_000_000
+
+
 def generate(n: int, rng: random.Random, *, min_length: int = 500, max_length: int = 2000, max_depth: int = 10,
              max_args: int = 10, op_prob: float = 0.25, seen: Optional[set] = None) -> List[Tuple[str, int]]:
     """``n`` unique ``(release string, value)`` pairs with ``min_length <= length <= max_length``."""
@@ -111,7 +115,14 @@ def generate(n: int, rng: random.Random, *, min_length: int = 500, max_length: i
         raise ValueError(f"--min-length {min_length} is above --max-length {max_length}")
     seen = set() if seen is None else seen
     out: List[Tuple[str, int]] = []
+    misses = 0  # draws since the last new expression: settings that allow none (or no more) would loop forever
     while len(out) < n:
+        if misses == MAX_MISSES:
+            raise ValueError(f"no new expression of {min_length} to {max_length} tokens in {MAX_MISSES:,} draws "
+                             f"(--max-depth {max_depth}, --max-args {max_args}, --op-prob {op_prob}; {len(out)} of "
+                             f"{n} made): these settings make none, or no more distinct ones. Raise --max-depth, "
+                             "--max-args or --op-prob, widen --min-length/--max-length, or ask for fewer")
+        misses += 1
         try:
             tree, length = random_tree(rng, max_depth, max_args, op_prob, max_length)
         except _TooLong:
@@ -123,6 +134,7 @@ def generate(n: int, rng: random.Random, *, min_length: int = 500, max_length: i
             continue
         seen.add(text)
         out.append((text, evaluate(tree)))
+        misses = 0
     return out
 
 
@@ -150,13 +162,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.max_args < 2:
         p.error("--max-args must be at least 2")
+    if args.min_length > args.max_length:
+        p.error(f"--min-length {args.min_length} is above --max-length {args.max_length}")
     rng = random.Random(args.seed)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     seen: set = set()
     start = time.time()
     for split, n in (("train", args.num_train), ("val", args.num_valid), ("test", args.num_test)):
-        rows = generate(n, rng, min_length=args.min_length, max_length=args.max_length, max_depth=args.max_depth,
-                        max_args=args.max_args, op_prob=args.op_prob, seen=seen)
+        try:
+            rows = generate(n, rng, min_length=args.min_length, max_length=args.max_length, max_depth=args.max_depth,
+                            max_args=args.max_args, op_prob=args.op_prob, seen=seen)
+        except ValueError as e:
+            p.error(f"{split}: {e}")
         path = args.output_dir / f"{args.task}_{split}.tsv"
         write_tsv(rows, path)
         labels = Counter(v for _, v in rows)
