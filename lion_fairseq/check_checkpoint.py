@@ -4,24 +4,18 @@ if one cannot be read. Reads the file alone: no model is built."""
 import argparse
 import os
 import sys
-import zipfile
 from typing import List, Optional
 
-from .clear_errors import (CheckpointError, PACKAGE_DIR, describe_weights, load_checkpoint_file, trained_as_options,
-                           unreadable_checkpoint_message)
-
-
-def corrupt_record(path: str) -> Optional[str]:
-    """The first record of a checkpoint's zip whose bytes fail their CRC, or None. torch.load does not check
-    them: a checkpoint whose bytes changed on disk or in a copy loads, and trains, without a word."""
-    if not zipfile.is_zipfile(path):
-        return None
-    with zipfile.ZipFile(path) as z:
-        return z.testzip()
+from .clear_errors import (PACKAGE_DIR, CheckpointError, corrupt_record, describe_weights, intact_checkpoints,
+                           load_checkpoint_file, trained_as_options, unreadable_checkpoint_message)
 
 
 def explain(path: str) -> str:
     """One paragraph on a checkpoint: readable or not, which model/arch, and what command-line to use."""
+    if os.path.isdir(path):
+        inside = intact_checkpoints(path, most=1)
+        return (f"{path}: a folder; pass a checkpoint file" + (f", e.g. its newest intact one, {inside[0]}" if inside
+                                                                else " (it holds no intact *.pt)"))
     if not os.path.isfile(path):
         return f"{path}: no such file"
     try:
@@ -85,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for path in args.checkpoints:
             try:
                 state = load_checkpoint_file(path)
-            except (CheckpointError, FileNotFoundError) as e:  # said once, as a line, for the script to stop on
+            except (CheckpointError, OSError) as e:  # said once, as a line, for the script to stop on (a folder too)
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             model_cfg = (state.get("cfg") or {}).get("model")
@@ -97,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = 0
     for path in args.checkpoints:
         text = explain(path)
-        bad += text.startswith(("cannot read", "cannot load")) or text.endswith("no such file")
+        bad += text.startswith(("cannot read", "cannot load")) or text.endswith("no such file") or os.path.isdir(path)
         print(text)
     return 1 if bad else 0
 

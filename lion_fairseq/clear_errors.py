@@ -59,25 +59,41 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with what to do about it."""
 
 
-def _sibling_checkpoints(path: str) -> List[str]:
-    """Other ``*.pt`` files next to ``path``, newest first."""
-    folder = os.path.dirname(os.path.abspath(path))
+def corrupt_record(path: str) -> Optional[str]:
+    """The first record of a checkpoint's zip whose bytes fail their CRC, or None. torch.load does not check
+    them: a checkpoint whose bytes changed on disk or in a copy loads, and trains, without a word."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()
+
+
+def intact_checkpoints(path: str, most: int = 3) -> List[str]:
+    """Up to ``most`` intact ``*.pt`` files next to ``path`` (or in it, a folder), newest first."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     try:
         names = [n for n in os.listdir(folder) if n.endswith(".pt") and
                  os.path.join(folder, n) != os.path.abspath(path)]
     except OSError:
         return []
     paths = [os.path.join(folder, n) for n in names]
-    # torch saves a zip, whose directory is written last: a file cut short has none and is no candidate
-    return sorted((p for p in paths if zipfile.is_zipfile(p)), key=os.path.getmtime, reverse=True)
+    # torch saves a zip, whose directory is written last: a file cut short has none and is no candidate; one
+    # whose bytes fail their CRCs is no candidate either (read newest first, until enough are found)
+    intact = []
+    for p in sorted((p for p in paths if zipfile.is_zipfile(p)), key=os.path.getmtime, reverse=True):
+        if len(intact) == most:
+            break
+        if corrupt_record(p) is None:
+            intact.append(p)
+    return intact
 
 
 def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
     """What to tell a user whose checkpoint ``torch.load`` could not read."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
-    others = _sibling_checkpoints(path)
-    hint = (f" Complete checkpoints next to it, newest first (python -m lion_fairseq.check_checkpoint reads "
-            f"one): {', '.join(others[:3])}." if others else "")
+    others = intact_checkpoints(path)
+    hint = (f" Intact checkpoints next to it, newest first (python -m lion_fairseq.check_checkpoint reads "
+            f"one): {', '.join(others)}." if others else "")
     return (f"cannot read checkpoint {path} ({size} bytes): the file is truncated or corrupt "
             f"({type(error).__name__}: {(str(error).split('. ')[0] or 'empty file')[:160]}). This happens when a run is killed "
             "while it writes or copies a checkpoint, or when a copy is incomplete. fairseq-train resumes from "

@@ -613,6 +613,14 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     os.utime(intact, (1e9, 1e9))
     msg = str(clear_errors.checkpoint_file_error(str(broken), EOFError()))
     assert str(newer) in msg and msg.index(str(newer)) < msg.index(str(intact)), msg
+    # one whose bytes fail their CRCs is not offered, however new (it was, first)
+    os.utime(tmp_path / "damaged.pt", None)
+    msg = str(clear_errors.checkpoint_file_error(str(broken), EOFError()))
+    assert str(newer) in msg and "damaged.pt" not in msg, msg
+    # a folder is not "no such file": the newest intact checkpoint in it is named
+    text = check_checkpoint.explain(str(tmp_path))
+    assert text == f"{tmp_path}: a folder; pass a checkpoint file, e.g. its newest intact one, {newer}", text
+    assert check_checkpoint.main([str(tmp_path)]) == 1
 
 
 def test_load_errors_that_are_not_the_files_come_through_or_are_explained():

@@ -163,7 +163,8 @@ def plot(results: Dict[str, Dict[int, Dict]], path: Path) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
                    help="the layers' lengths " + default_text(DEFAULTS["lengths"]))

@@ -124,7 +124,7 @@ def fmt(x: Optional[float], scale: float = 1.0, digits: int = 1) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.decode", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
                    help="context lengths " + default_text(DEFAULTS["lengths"]))

@@ -202,7 +202,7 @@ def tables(train: Dict[str, Dict[int, Dict]], infer: Dict[str, Dict[int, Dict]],
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.encoder", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--train-lengths", type=positive_int, nargs="+", default=None,

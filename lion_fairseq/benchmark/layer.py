@@ -94,7 +94,7 @@ def measure(kind: str, form: str, L: int, threads: int, chunk_size: int, repeats
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.layer", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=KINDS)
     p.add_argument("form", choices=["parallel", "chunk", "recurrent"])
     p.add_argument("L", type=int)

@@ -281,7 +281,8 @@ def bf16_table(scaling: Dict[int, Dict[str, Dict[int, Dict]]], lengths: List[int
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.operator", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
                    help=default_text(DEFAULTS["lengths"]))
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
