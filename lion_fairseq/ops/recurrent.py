@@ -60,8 +60,9 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
 
     q_t, k_t: ``(B, H, Dk)``; v_t: ``(B, H, Dv)`` (or one-token slices ``(B, H, 1, D)`` of
     ``lion_attention``'s inputs, giving ``y_t`` ``(B, H, 1, Dv)``); log_a_t: ``(B, H)`` (or broadcastable,
-    ``(B, H, 1)`` too, and ``lion_attention``'s one gate per head ``(H, 1)``), ``None`` for gate 1; state: ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)``
-    in float32 (float64 for float64 inputs), ``None`` at the start. Returns ``y_t`` ``(B, H, Dv)`` in
+    ``(B, H, 1)`` too, and ``lion_attention``'s one gate per head ``(H, 1)``), ``None`` for gate 1; state:
+    ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32 (float64 for float64 inputs), ``None``
+    at the start. Returns ``y_t`` ``(B, H, Dv)`` in
     ``v_t.dtype`` and the new state. ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``,
     ``y_t = q_t S_t / (q_t . z_t + eps)``.
     """
