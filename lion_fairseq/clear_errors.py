@@ -506,14 +506,11 @@ def misplaced_lion_flag_message(flag: str, value: Optional[str], arch: Optional[
     that takes it: fairseq-train with ``--arch`` another model, or a tool that reads the model from its
     checkpoint (fairseq-eval-lm, -validate, -generate, -interactive)."""
     import ast
-    import dataclasses
-
-    from fairseq.models import MODEL_DATACLASS_REGISTRY
 
     key = lion_flags()[flag]
     if arch is not None:
         owners = [f"{LION_MODELS[model][2]} ({LION_MODELS[model][0]})" for model in LION_MODELS
-                  if key in {f.name for f in dataclasses.fields(MODEL_DATACLASS_REGISTRY[model])}]
+                  if key in _options_of(model)]
         owners = "every LION arch" if len(owners) == len(LION_MODELS) else "the archs " + " and ".join(owners)
         return f"{flag} is an option of {owners}, not of --arch {arch}: leave it out"
     if key in FIXED_BY_TRAINING:

@@ -62,9 +62,8 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
     ``lion_attention``'s inputs, giving ``y_t`` ``(B, H, 1, Dv)``); log_a_t: ``(B, H)`` (or broadcastable,
     ``(B, H, 1)`` too, and ``lion_attention``'s one gate per head ``(H, 1)``), ``None`` for gate 1; state:
     ``(S, z)`` with S ``(B, H, Dk, Dv)`` and z ``(B, H, Dk)`` in float32 (float64 for float64 inputs), ``None``
-    at the start. Returns ``y_t`` ``(B, H, Dv)`` in
-    ``v_t.dtype`` and the new state. ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``,
-    ``y_t = q_t S_t / (q_t . z_t + eps)``.
+    at the start. Returns ``y_t`` ``(B, H, Dv)`` in ``v_t.dtype`` and the new state.
+    ``S_t = f_t S_{t-1} + k_t v_t^T``, ``z_t = f_t z_{t-1} + k_t``, ``y_t = q_t S_t / (q_t . z_t + eps)``.
     """
     if isinstance(log_a_t, Tensor) and log_a_t.dim() == 3 and log_a_t.shape[-1] == 1:  # (B, H, 1): this token's
         log_a_t = log_a_t.squeeze(-1)
