@@ -32,19 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m preprocess.text",
         description="Raw UTF-8 text files -> sentencepiece model -> fairseq binarised "
                     "train/valid/test with a dict.txt whose ids are the sentencepiece ids.")
-    p.add_argument("--input", "--train", "--trainpref", dest="input", nargs="+", required=True,
-                   metavar="FILE", help="training text, one sentence/paragraph per line; blank lines "
-                                        "separate documents. Several files are concatenated.")
+    p.add_argument("--input", "--train", "--trainpref", dest="input", nargs="+", action="extend",
+                   required=True, metavar="FILE",
+                   help="training text, one sentence/paragraph per line; blank lines separate documents. "
+                        "Several files (after one option, or the option repeated) are concatenated.")
     p.add_argument("--destdir", required=True, type=Path, help="output folder (created)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --destdir")
     g = p.add_argument_group("splits (each split: a file or a ratio of the input's last lines)")
     v = g.add_mutually_exclusive_group()
-    v.add_argument("--valid", "--validpref", dest="valid", nargs="+", metavar="FILE",
+    v.add_argument("--valid", "--validpref", dest="valid", nargs="+", action="extend", metavar="FILE",
                    help="validation text files")
     v.add_argument("--valid-ratio", type=float, default=0.05,
                    help="fraction of input lines held out for valid (default 0.05; 0 = none)")
     t = g.add_mutually_exclusive_group()
-    t.add_argument("--test", "--testpref", dest="test", nargs="+", metavar="FILE", help="test text files")
+    t.add_argument("--test", "--testpref", dest="test", nargs="+", action="extend", metavar="FILE",
+                   help="test text files")
     t.add_argument("--test-ratio", type=float, default=0.05,
                    help="fraction of input lines (the very last) held out for test (default 0.05; 0 = none)")
     s = p.add_argument_group("sentencepiece")

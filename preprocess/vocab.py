@@ -71,8 +71,27 @@ def train_spm(train_file: Path, model_prefix: Path, vocab_size: int, model_type:
     except (RuntimeError, OSError, ValueError) as e:  # ValueError: an --spm-option value it cannot parse
         raise PreprocessError(_explain_spm_failure(str(e), vocab_size, model_type, character_coverage,
                                                    corpus or str(train_file))) from None
+    if model_type == "char":
+        # sentencepiece fits a char model into any --vocab-size, leaving the characters past it unknown
+        # (the other types refuse that size): a model with every piece used may have left some out
+        kept = spm.SentencePieceProcessor(model_file=f"{model_prefix}.model").get_piece_size()
+        if kept >= vocab_size:
+            counting = Path(f"{model_prefix}.chars")
+            spm.SentencePieceTrainer.train(**dict(kwargs, model_prefix=str(counting), vocab_size=1 << 20,
+                                                  minloglevel=1))
+            need = spm.SentencePieceProcessor(model_file=f"{counting}.model").get_piece_size()
+            for suffix in (".model", ".vocab"):
+                Path(f"{counting}{suffix}").unlink()
+            if need > vocab_size:
+                raise PreprocessError(_too_small(vocab_size, need, character_coverage, corpus or str(train_file)))
     log.info("trained sentencepiece in %.1fs", time.time() - start)
     return Path(f"{model_prefix}.model")
+
+
+def _too_small(vocab_size: int, need: int, coverage: float, corpus: str) -> str:
+    return (f"--vocab-size {vocab_size} is too small for {corpus}: its characters alone need "
+            f"{need} pieces at --character-coverage {coverage}. Pass --vocab-size {need} or more, "
+            f"or lower --character-coverage.")
 
 
 def _explain_spm_failure(msg: str, vocab_size: int, model_type: str, coverage: float, corpus: str) -> str:
@@ -85,10 +104,7 @@ def _explain_spm_failure(msg: str, vocab_size: int, model_type: str, coverage: f
                 f"(or --spm-option hard_vocab_limit=false to accept fewer pieces).")
     too_low = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
     if too_low:
-        need = int(too_low.group(2))  # sentencepiece counts the special pieces in already
-        return (f"--vocab-size {vocab_size} is too small for {corpus}: its characters alone need "
-                f"{need} pieces at --character-coverage {coverage}. Pass --vocab-size {need} or more, "
-                f"or lower --character-coverage.")
+        return _too_small(vocab_size, int(too_low.group(2)), coverage, corpus)  # specials counted in already
     if "sentences_.empty()" in msg:
         return (f"sentencepiece found no line to train on in {corpus}: it leaves out lines longer than "
                 f"max_sentence_length bytes ({MAX_LINE_BYTES} unless set); pass --spm-option "

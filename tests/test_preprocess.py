@@ -114,18 +114,20 @@ def test_explicit_valid_test_files_reuse_model(corpus, text_bin, tmp_path, capsy
 
     root, lines = corpus
     out = tmp_path / "again"
-    rc = text_cli.main(["--input", str(root / "a.txt"), "--valid", str(root / "v.txt"), "--test",
-                        str(root / "t.txt"), "--spm-model", str(text_bin / "sentencepiece.bpe.model"),
-                        "--destdir", str(out)])
+    # each split's option repeated: its files are concatenated, as after one option
+    rc = text_cli.main(["--input", str(root / "a.txt"), "--train", str(root / "b.txt"), "--valid",
+                        str(root / "v.txt"), "--valid", str(root / "t.txt"), "--test", str(root / "t.txt"),
+                        "--spm-model", str(text_bin / "sentencepiece.bpe.model"), "--destdir", str(out)])
     assert rc == 0, capsys.readouterr().err
     words = lambda p: [line.split()[0] for line in p.read_text(encoding="utf-8").splitlines()]  # noqa: E731
     assert words(out / "dict.txt") == words(text_bin / "dict.txt")  # same model, same ids
     d = Dictionary.load(str(out / "dict.txt"))
     sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "sentencepiece.bpe.model"))
-    assert len(load_split(out / "train", d)) == N_A  # the whole input: nothing held out
+    assert len(load_split(out / "train", d)) == N_A + N_B  # the whole input: nothing held out
     valid, test = load_split(out / "valid", d), load_split(out / "test", d)
-    assert len(valid) == 70 and len(test) == len(lines) - N_A - N_B - 70
+    assert len(valid) == 70 + len(test) and len(test) == len(lines) - N_A - N_B - 70
     assert sp.decode(valid[3].tolist()[:-1]) == lines[N_A + N_B + 3]
+    assert sp.decode(valid[-1].tolist()[:-1]) == lines[-1]
     assert sp.decode(test[-1].tolist()[:-1]) == lines[-1]
 
 
@@ -308,10 +310,12 @@ def test_vocab_too_large_says_what_fits(tmp_path, capsys):
     assert len((out / "dict.txt").read_text().splitlines()) == most - 4
 
 
-def test_vocab_too_small_says_what_is_needed(tmp_path, capsys):
+@pytest.mark.parametrize("model_type", ["unigram", "char"])  # sentencepiece refuses the first, fits the second
+def test_vocab_too_small_says_what_is_needed(tmp_path, capsys, model_type):
     good = _bad_text_inputs(tmp_path)
     out = tmp_path / "out"
-    common = ["--input", str(good), "--destdir", str(out), "--valid-ratio", "0", "--test-ratio", "0"]
+    common = ["--input", str(good), "--destdir", str(out), "--valid-ratio", "0", "--test-ratio", "0",
+              "--model-type", model_type]
     assert text_cli.main(common + ["--vocab-size", "10"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: --vocab-size 10 is too small") and "--character-coverage" in err, err
@@ -418,3 +422,15 @@ def test_class_ids_and_held_out_lines_are_numbered_as_a_reader_expects():
     assert glue_cli._label_order(["10", "2", "-1", "2"]) == ["-1", "2", "10"]
     assert glue_cli._label_order(["neutral", "entailment"]) == ["entailment", "neutral"]
     assert text_cli._held_out(39, 0.05) == 2 and text_cli._held_out(3, 0.05) == 1 and text_cli._held_out(9, 0) == 0
+
+
+def test_a_staging_folder_left_by_a_killed_run_is_named_and_kept(corpus, text_bin, tmp_path, capsys, caplog):
+    """kill -9 leaves its staging folder; the next run into that --destdir says so, and deletes nothing (the
+    folder may be another run's, still going, on a shared file system)."""
+    root, _ = corpus
+    left = tmp_path / ".bin.partial-x1y2"
+    (left / "_work").mkdir(parents=True)
+    rc = text_cli.main(["--input", str(root / "a.txt"), "--spm-model", str(text_bin / "sentencepiece.bpe.model"),
+                        "--destdir", str(tmp_path / "bin")])
+    assert rc == 0 and (tmp_path / "bin" / "dict.txt").is_file() and (left / "_work").is_dir(), capsys.readouterr()
+    assert f"{left}: staging folder(s) of another run into {tmp_path / 'bin'}" in caplog.text, caplog.text
