@@ -8,6 +8,7 @@ attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, ``lion_retne
 ``weights_only`` default, and ``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form.
 """
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -32,6 +33,7 @@ from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boole
                            fix_lion_flags, lion_attention_kwargs, lion_positions, model_name_arch,
                            refuse_softmax_only_options, set_unset, set_unset_from)
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class LionEncoderConfig(LionOptions):
@@ -208,9 +210,20 @@ class LionHubInterface(RobertaHubInterface):
             self.bpe = _WhitespaceTokens()
 
     def extract_features(self, tokens: torch.LongTensor, return_all_hiddens: bool = False) -> torch.Tensor:
-        """RoBERTa's, with learned positions' length limit (LION-LIT) saying what to do."""
+        """RoBERTa's (``predict`` calls it), with learned positions' length limit (LION-LIT) saying what to
+        do, and a warning, once, where dropout makes its outputs random."""
         check_learned_positions(tokens.size(-1), self.model.max_positions(),
                                 shorter="a shorter input (<s> and </s> count)")
+        if self.model.training and not getattr(self, "_said_training", False):
+            # fairseq's RoBERTa hub starts in training mode, as does this one: a fine-tuning loop wants it,
+            # while predictions made so differ from call to call and from fairseq-validate's
+            rates = sorted({m.p for m in self.model.modules() if isinstance(m, (FairseqDropout, nn.Dropout)) and m.p > 0})
+            if rates:
+                self._said_training = True
+                logger.warning("the hub is in training mode, as from_pretrained returns it (fairseq's RoBERTa hub "
+                               "too): dropout (p = %s) is on, so features and predictions change from call to "
+                               "call; call hub.eval() before predicting, as RoBERTa's README does (training mode is "
+                               "for fine-tuning)", ", ".join(f"{p:g}" for p in rates))
         return super().extract_features(tokens, return_all_hiddens)
 
     def predict(self, head: str, tokens: torch.LongTensor, return_logits: bool = False) -> torch.Tensor:
