@@ -291,12 +291,32 @@ def _wrap_load_checkpoint_to_cpu(original):
         changed = changed_model_message(model, fixed) if fixed and model is not None else None
         if changed:
             raise ValueError(f"{path}: {changed}")
+        bad = bad_switch_message(arg_overrides or {}) if is_lion_config(model) else None
+        if bad:
+            raise ValueError(f"{path}: {bad}")
         # for the trainer's check that a resumed run is the same model, which follows the read at once
         _TRAINED_AS.clear()
         _TRAINED_AS[str(path)] = model
         return state
     load_checkpoint_to_cpu.__lion_wrapped__ = True
     return load_checkpoint_to_cpu
+
+
+def bad_switch_message(overrides: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with the values of the options a trained checkpoint switches (``lion_form``,
+    ``lion_chunk_size``) in ``overrides``, in their spelling there (the model would name the training flag,
+    which these tools do not take); None if nothing is."""
+    from .ops.attention import FORMS, is_chunk_size
+
+    wrong = []
+    if "lion_form" in overrides and overrides["lion_form"] not in FORMS:
+        wrong.append(f"'lion_form': {overrides['lion_form']!r} is none of {', '.join(map(repr, FORMS))}")
+    if "lion_chunk_size" in overrides and not is_chunk_size(overrides["lion_chunk_size"]):
+        wrong.append(f"'lion_chunk_size': {overrides['lion_chunk_size']!r} is no whole number >= 1 (written "
+                     "without quotes, e.g. {'lion_chunk_size': 128})")
+    if not wrong:
+        return None
+    return f"--model-overrides (or the hub's keyword arguments): {'; '.join(wrong)}"
 
 
 def _options_of(arch: str) -> set:

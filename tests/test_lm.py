@@ -586,6 +586,13 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
         eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_fom': 'recurrent'}")
     with pytest.raises(ValueError, match=r"'lion_chunk' \(did you mean 'lion_chunk_size'\)"):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk=8)
+    # a switched option's bad value is named in the override's spelling (the model names the training flag,
+    # which these tools do not take)
+    with pytest.raises(ValueError, match=r"--model-overrides .*'lion_form': 'chunky' is none of 'parallel', "
+                                         r"'chunk', 'recurrent'; 'lion_chunk_size': '16' is no whole number"):
+        eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_form': 'chunky', 'lion_chunk_size': '16'}")
+    with pytest.raises(ValueError, match=r"'lion_chunk_size': 0 is no whole number >= 1"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk_size=0)
 
 
 def test_lion_override_on_a_softmax_checkpoint_is_ignored_as_fairseq_does(caplog):

@@ -194,6 +194,10 @@ def test_lm_train_eval_generate(wiki_data, tmp_path):
     # passed on as options, one met the other's default (fairseq's "negative dimensions are not allowed")
     out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt, "--tokens-per-sample", "64"], ok=False)
     assert "--tokens-per-sample: set TOKENS_PER_SAMPLE= and CONTEXT_WINDOW= instead" in out
+    # a form that is none: named before fairseq, which stopped with a traceback once the model was loaded
+    out = run(["bash", RECIPES / "lm/eval.sh", wiki_data, ckpt], ok=False, FORM="rnn")
+    assert "error: FORM must be parallel, chunk or recurrent (the --lion-form to run the checkpoint in), got 'rnn'" \
+        in out and "Traceback" not in out, out
 
     # MAX_LEN counts new tokens: a prompt longer than it comes back whole and continued (fairseq's
     # --max-len-b alone would cut it to its first MAX_LEN tokens); --min-len (which counts the prompt) at
@@ -226,6 +230,9 @@ def test_translation_prepare_train_generate(tmp_path):
               BEAM="2", LION_FORM="recurrent")
     assert len([line for line in out.splitlines() if line.startswith("H-")]) == 12 and "BLEU4 = " in out
     assert "missing or empty" in run(["bash", RECIPES / "translation/prepare.sh", tmp_path, tmp_path / "x"], ok=False)
+    out = run(["bash", RECIPES / "translation/generate.sh", tmp_path / "bin", tmp_path / "ckpt" / "checkpoint_last.pt"],
+              ok=False, LION_FORM="rnn")
+    assert "error: LION_FORM must be parallel, chunk or recurrent" in out and "Traceback" not in out, out
 
 
 def hydra(config_dir: str, name: str, *overrides: str) -> str:

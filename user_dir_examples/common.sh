@@ -70,6 +70,15 @@ translation_arch() {
   esac
 }
 
+# a setting ($1 names it) that picks the form a trained checkpoint runs in, through --model-overrides (fairseq's
+# evaluation tools take no --lion-form): a bad one failed there with a traceback, after loading the model
+lion_form_setting() {
+  case "${!1}" in
+    parallel|chunk|recurrent) ;;
+    *) die "$1 must be parallel, chunk or recurrent (the --lion-form to run the checkpoint in), got '${!1}'" ;;
+  esac
+}
+
 is_int() { case "$1" in ''|*[!0-9]*) return 1 ;; *) return 0 ;; esac; }
 
 # the setting named $1 must hold a whole number (above $2 where given; $3 says why); it is rewritten in

@@ -23,7 +23,7 @@ WINDOW=${CONTEXT_WINDOW:-$((TPS * 25 / 32))}
 below TOKENS_PER_SAMPLE ($TPS): each block of TOKENS_PER_SAMPLE tokens scores the tokens after its CONTEXT_WINDOW \
 tokens of context; lower CONTEXT_WINDOW, or leave it unset for 25/32 of TOKENS_PER_SAMPLE"
 OVERRIDES=()
-if [ -n "${FORM:-}" ]; then OVERRIDES=(--model-overrides "{'lion_form': '$FORM'}"); fi
+if [ -n "${FORM:-}" ]; then lion_form_setting FORM; OVERRIDES=(--model-overrides "{'lion_form': '$FORM'}"); fi
 # --user-dir is needed here too: fairseq imports it only from the command line, not from the checkpoint
 run fairseq-eval-lm "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --gen-subset "${SUBSET:-test}" \
   --tokens-per-sample "$TPS" --context-window "$WINDOW" \
