@@ -844,7 +844,11 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
     for fact, option in (("output gate", "--lion-output-gate"), ("short conv", "--lion-short-conv"),
                          ("norm after", "--lion-norm-after")):
         if a[fact] != b[fact]:
-            return f"{fact}: the checkpoint has {a[fact]} and the model {b[fact]}; set {option} as the checkpoint has it"
+            if isinstance(a[fact], bool):  # a flag: what to do with it, not its value
+                return (f"{option}: the checkpoint was trained {'with' if a[fact] else 'without'} it and the model "
+                        f"is built {'with' if b[fact] else 'without'} it; {'pass' if a[fact] else 'leave out'} {option}")
+            return (f"{option}: the checkpoint has {a[fact]} and the model {b[fact]}; "
+                    + (f"pass {option} {a[fact]}" if a[fact] else f"leave out {option}"))
     for key in sorted(k for k in model if k.endswith("embed_tokens.weight") and k in checkpoint):
         rows, built = checkpoint[key].shape[0], model[key].shape[0]
         if rows != built:
@@ -864,12 +868,13 @@ def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tenso
     if difference and difference.startswith(DICTIONARY_DIFFERS):  # the model is right, the data folder is not
         return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said[:300]}): they "
                 f"differ in {difference}.")
-    return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said}). The checkpoint "
-            f"holds {describe_weights(state_dict)}; the model is {describe_weights(model.state_dict())}. To "
+    theirs, ours = describe_weights(state_dict), describe_weights(model.state_dict())
+    shapes = f" The checkpoint holds {theirs}; the model is {ours}." if theirs != ours else ""
+    return (f"this checkpoint's weights do not fit the model being built (torch: {torch_said}).{shapes} To "
             "continue or fine-tune it, build the model it was trained as; to evaluate or generate with it, leave "
-            "out the --model-overrides or hub keyword that changed it; to start a different architecture from "
-            "scratch, drop --restore-file / --finetune-from-model (and use a new --save-dir, since fairseq-train "
-            "reloads <save-dir>/checkpoint_last.pt). "
+            "out the --model-overrides or hub keyword that changed it; to train a different architecture from "
+            "scratch, use a new --save-dir (fairseq-train resumes from <save-dir>/checkpoint_last.pt) without "
+            "--restore-file or --finetune-from-model. "
             + (f"They differ first in {difference}." if difference else
                "Pass the checkpoint's own --arch and size options."))
 

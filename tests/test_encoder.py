@@ -463,7 +463,14 @@ def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     assert "pass --encoder-layers 3" in first_difference(weights("--arch", "lion_s_tiny", "--encoder-layers", "3"), base)
     assert "--encoder-ffn-embed-dim 256" in first_difference(
         weights("--arch", "lion_s_tiny", "--encoder-ffn-embed-dim", "256"), base)
-    assert "--lion-output-gate" in first_difference(weights("--arch", "lion_s_tiny", "--lion-output-gate"), base)
+    # a flag says which way to set it (it said "set --lion-norm-after as the checkpoint has it", of a False)
+    gate = weights("--arch", "lion_s_tiny", "--lion-output-gate")
+    assert first_difference(gate, base).endswith("was trained with it and the model is built without it; pass "
+                                                 "--lion-output-gate")
+    assert first_difference(base, weights("--arch", "lion_s_tiny", "--lion-norm-after")).endswith(
+        "trained without it and the model is built with it; leave out --lion-norm-after")
+    assert first_difference(weights("--arch", "lion_s_tiny", "--lion-short-conv", "3"), base).endswith(
+        "the checkpoint has 3 and the model 0; pass --lion-short-conv 3")
     assert "--lion-positions learned" in first_difference(
         weights("--arch", "lion_s_tiny", "--lion-positions", "learned"), base)
     # LION-LIT's weights (learned positions, its default) into LION-S: the arch, whose default positions follow,
