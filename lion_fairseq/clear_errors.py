@@ -826,10 +826,14 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
             has = lambda n: f"{n} learned positions" if n else "no positions"  # noqa: E731
             return (f"positions: the checkpoint has {has(a['positions'])} and the model {has(b['positions'])}; "
                     f"pass --lion-positions {'learned' if a['positions'] else 'none'}")
-        option = "--tokens-per-sample" if stack == "decoder" else "--max-positions"
-        return (f"learned positions: the checkpoint has {a['positions']} and the model {b['positions']}; pass "
-                f"{option} {a['positions']} (the length it was trained with: learned positions have no weights past it, "
-                "so no --model-overrides or hub keyword of a longer one adds any)")
+        n = a["positions"]
+        # masked_lm sizes the encoder's positions by --tokens-per-sample: --max-positions alone would leave its
+        # samples longer than the positions, every one skipped, and the run stopping on an empty dataset
+        option = (f"--tokens-per-sample {n}" if stack == "decoder" else
+                  f"--max-positions {n} (in masked_lm --tokens-per-sample {n}, which sets it)")
+        return (f"learned positions: the checkpoint has {n} and the model {b['positions']}; pass {option}, the "
+                "length it was trained with: learned positions have no weights past it, so no --model-overrides or "
+                "hub keyword of a longer one adds any")
     # every size at once: a run per size was a user's way to find them
     sizes = [(fact, option) for fact, option in (("layers", f"--{stack}-layers"), ("width", f"--{stack}-embed-dim"),
                                                  ("ffn", f"--{stack}-ffn-embed-dim")) if a[fact] != b[fact]]

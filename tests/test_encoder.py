@@ -374,7 +374,8 @@ def test_positions_mismatch_is_named_last(mlm, labelled_data_bin, tmp_path):
                     str(mlm_save / "checkpoint_last.pt"), "--reset-optimizer", "--reset-dataloader",
                     "--reset-meters", "--batch-size", "8", "--max-update", "1", "--save-dir", str(tmp_path / "ft"))
     last = [line for line in str(failed.value).splitlines() if line.strip()][-1]
-    assert "learned positions: the checkpoint has 64 and the model 512; pass --max-positions 64" in last, last
+    assert "learned positions: the checkpoint has 64 and the model 512; pass --max-positions 64 (in masked_lm " \
+           "--tokens-per-sample 64, which sets it)" in last, last
     # and, read from the checkpoint, the arch and sizes to pass in one go (not one option per failed run)
     assert "It was trained as --arch lion_lit_tiny --encoder-layers 2 --encoder-embed-dim 128 " \
            "--encoder-ffn-embed-dim 512 --encoder-attention-heads 2 " in last, last

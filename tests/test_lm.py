@@ -416,7 +416,7 @@ def test_eval_lm_past_learned_positions_is_refused(text_data_bin, lit_trained):
     from fairseq import checkpoint_utils
 
     with pytest.raises(RuntimeError, match=r"learned positions: the checkpoint has 64 and the model 1024; pass "
-                                           r"--tokens-per-sample 64 .*no --model-overrides .* adds any"):
+                                           r"--tokens-per-sample 64, .*no --model-overrides .* adds any"):
         checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"max_target_positions": 1024})
 
 
