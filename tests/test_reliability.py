@@ -598,6 +598,11 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     (tmp_path / "damaged.pt").write_bytes(bytes(damaged))
     text = check_checkpoint.explain(str(tmp_path / "damaged.pt"))
     assert text.startswith("cannot read checkpoint") and "fails its CRC check" in text, text
+    # and fairseq's reader, where fairseq-train resumed from it (and saved over it) and the tools evaluated it
+    for read in (checkpoint_utils.load_checkpoint_to_cpu, clear_errors.load_checkpoint_file):
+        with pytest.raises(clear_errors.CheckpointError, match=r"truncated or corrupt \(ValueError: its record "
+                                                               rf"{re.escape(record.filename)} fails its CRC check"):
+            read(str(tmp_path / "damaged.pt"))
     # a file that is no checkpoint at all is not called intact (torch's weights_only refusal of its bytes)
     (tmp_path / "notes.pt").write_text("not a checkpoint\n" * 100)
     text = check_checkpoint.explain(str(tmp_path / "notes.pt"))
