@@ -6,7 +6,9 @@ model's positions or on a model of another kind, a run resumed as another model,
 option where no model takes it (``fairseq-eval-lm --lion-form``: ``--model-overrides``), a misspelled model
 name (``model._name`` under fairseq-hydra-train), ``--num-classes`` below the labels of sentence_prediction's
 data.
-Each says what is wrong and what to pass; none changes what a working run does.
+Each says what is wrong and what to pass; none changes what a working run does, except that a LION run
+resumed at or past ``--max-update`` ends at once (fairseq trained an update more and saved over its
+checkpoints).
 
 ``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps twelve
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
@@ -994,13 +996,28 @@ def in_launchers_terms(message: str) -> str:
             "(+model.lion_short_conv=4).")
 
 
+def finished_run_message(filename: str, num_updates: int, cfg: Any) -> Optional[str]:
+    """What to say where a LION run resumed from ``filename`` has already made ``--max-update`` updates; None
+    where it has not. fairseq checks the count only after an update, so it trained one more and saved over
+    checkpoint_last.pt and checkpoint_best.pt: a recipe run again changed its finished checkpoints."""
+    max_update = getattr(cfg.optimization, "max_update", 0) or 0
+    if not is_lion_config(cfg.model) or not 0 < max_update <= num_updates:
+        return None
+    return in_launchers_terms(
+        f"{filename} is at {num_updates} updates and --max-update is {max_update}: this run has finished, so nothing "
+        "is trained and no checkpoint is written (fairseq would train one update more and save over "
+        "checkpoint_last.pt and checkpoint_best.pt). Raise --max-update to train on; for a new run, pass a new "
+        "--save-dir")
+
+
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
     ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it, an
     optimizer state of other parameters is refused naming ``--reset-optimizer``, and a run resumed (without
     ``--reset-optimizer``) as another model than its checkpoint was trained as (``FIXED_BY_TRAINING``) is
-    refused naming the change; a new run from it logs the change."""
+    refused naming the change; a new run from it logs the change. A LION run resumed at or past
+    ``--max-update`` ends there, with status 0, instead of training an update more."""
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
         missing = missing_restore_file_message(filename, self.cfg.checkpoint)
@@ -1047,6 +1064,11 @@ def _wrap_trainer_load_checkpoint(original):
             else:
                 logger.warning(f"lion: starting from {filename}, trained as another model than this one: "
                                f"{'; '.join(changes)}")
+        finished = finished_run_message(filename, self.get_num_updates(), self.cfg)
+        if finished:  # every rank holds the same count (rank 0's checkpoint, broadcast), so every rank ends here
+            if self.data_parallel_rank == 0:
+                logger.warning(finished)
+            raise SystemExit(0)
         return extra_state
     load_checkpoint.__lion_wrapped__ = True
     return load_checkpoint

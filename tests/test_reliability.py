@@ -218,6 +218,22 @@ def test_two_gloo_processes_resume_mid_epoch_to_the_same_parameters(runs, text_d
         assert torch.equal(a[name], b[name]), name
 
 
+def test_a_finished_run_started_again_trains_nothing_and_keeps_its_checkpoints(runs, text_data_bin, tmp_path):
+    """The finished run's command again (a recipe rerun): fairseq checks --max-update only after an update, so
+    it trained one more and saved over checkpoint_last.pt and checkpoint_best.pt. It ends at once, status 0."""
+    import shutil
+
+    save = tmp_path / "run"
+    shutil.copytree(runs["lm"]["dir"]["straight"], save)
+    before = {p.name: p.read_bytes() for p in save.glob("*.pt")}
+    log = tmp_path / "again.log"
+    out = finish({"again": start(text_data_bin, [*base_args("lm"), "--update-freq", "2", "--save-dir", str(save)],
+                                 log)}, {"again": log})["again"]
+    assert f"checkpoint_last.pt is at {UPDATES} updates and --max-update is {UPDATES}: this run has finished" in out, \
+        out[-2000:]
+    assert train_losses(out) == [] and {p.name: p.read_bytes() for p in save.glob("*.pt")} == before
+
+
 @pytest.mark.parametrize("task, launch", [("lm", "ddp"), ("mlm", "ddp"), ("lm", "spawn"), ("lm", "torchrun")])
 def test_two_gloo_processes_equal_one_process_with_update_freq_2(runs, task, launch):
     """Two CPU ranks with one batch each, however launched, give the losses and weights of one process with
