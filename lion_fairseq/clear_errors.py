@@ -5,12 +5,12 @@ model's positions or on a model of another kind, a run resumed as another model,
 ``--print-alignment`` on linear cross-attention, a LION arch with another model's ``--task``, a ``--lion-*``
 option where no model takes it (``fairseq-eval-lm --lion-form``: ``--model-overrides``), a misspelled model
 name (``model._name`` under fairseq-hydra-train), ``--num-classes`` below the labels of sentence_prediction's
-data.
+data, samples of an evaluated split that fairseq's batching leaves out.
 Each says what is wrong and what to pass; none changes what a working run does, except that a LION run
 resumed at or past ``--max-update`` ends at once (fairseq trained an update more and saved over its
 checkpoints).
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps twelve
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps thirteen
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
 do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
@@ -24,7 +24,9 @@ last line a user reads, and which starts from random weights where a ``--restore
 ``weights_only`` refuses), ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
 weights are formed), ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
 takes), ``models.build_model`` (a model name fairseq does not know; under fairseq-hydra-train, options named
-as hydra spells them) and ``SentencePredictionTask.build_model`` (``--num-classes`` against the labels).
+as hydra spells them), ``SentencePredictionTask.build_model`` (``--num-classes`` against the labels) and
+``FairseqTask.get_batch_iterator`` (the samples ``--required-batch-size-multiple`` drops from a split it
+evaluates, fairseq #5036).
 Without ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
 intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
 truncated, which model and arch, what to pass).
@@ -781,6 +783,56 @@ def install() -> None:
 
     if not getattr(SentencePredictionTask.build_model, "__lion_wrapped__", False):
         SentencePredictionTask.build_model = _wrap_sentence_prediction_build(SentencePredictionTask.build_model)
+    if not getattr(FairseqTask.get_batch_iterator, "__lion_wrapped__", False):
+        FairseqTask.get_batch_iterator = _wrap_get_batch_iterator(FairseqTask.get_batch_iterator)
+
+
+def left_out_message(split: str, total: int, covered: int, multiple: int) -> Optional[str]:
+    """What to say where fairseq's batches of an evaluated split cover ``covered`` of its ``total`` samples."""
+    if covered >= total:
+        return None
+    return (f"fairseq's batches leave out {total - covered} of the {total} samples of '{split}' "
+            f"(--required-batch-size-multiple {multiple} drops a last batch of another size: fairseq #5036), the same "
+            "ones at every evaluation, so its loss and metrics leave them out too: pass --required-batch-size-multiple "
+            "1 to evaluate them all")
+
+
+def _wrap_get_batch_iterator(original):
+    """Where fairseq batches a split that it evaluates (validation in fairseq-train, fairseq-validate,
+    fairseq-generate) with ``--required-batch-size-multiple`` above 1, it drops the samples of a last batch
+    that is no multiple (fairseq #5036) without a word: said once per split, with what to pass. Training
+    splits are left alone (a few samples an epoch, and the multiple is what a GPU is fed)."""
+    import inspect
+
+    signature = inspect.signature(original)
+    said = set()
+
+    @functools.wraps(original)
+    def get_batch_iterator(self, dataset, *args, **kwargs):
+        itr = original(self, dataset, *args, **kwargs)
+        try:
+            call = signature.bind(self, dataset, *args, **kwargs)
+            call.apply_defaults()
+            a = call.arguments
+            split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None)
+            if a["required_batch_size_multiple"] <= 1 or split is None or split.startswith("train") or split in said:
+                return itr
+            from fairseq.data import data_utils
+
+            with data_utils.numpy_seed(a["seed"] + a["epoch"]):  # the indices fairseq batched, as it orders them
+                indices = dataset.ordered_indices()
+            if a["max_positions"] is not None:
+                indices, _ = dataset.filter_indices_by_size(indices, a["max_positions"])
+            message = left_out_message(split, len(indices), sum(len(b) for b in itr.frozen_batches),
+                                       a["required_batch_size_multiple"])
+        except Exception:  # noqa: BLE001 - a dataset that orders or filters otherwise: say nothing
+            return itr
+        if message:
+            said.add(split)
+            logger.warning(message)
+        return itr
+    get_batch_iterator.__lion_wrapped__ = True
+    return get_batch_iterator
 
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------
