@@ -837,13 +837,17 @@ def _wrap_get_batch_iterator(original):
 
 # ---- a checkpoint of another architecture -------------------------------------------------------------
 
-def describe_weights(state_dict: Dict[str, torch.Tensor]) -> str:
-    """A LION model's shape read from its weights: variant, layers, width (or 'not a LION model')."""
+def describe_weights(state_dict: Dict[str, torch.Tensor], lion: Optional[bool] = None) -> str:
+    """A LION model's shape read from its weights: variant, layers, width (or 'not a LION model'). ``lion``:
+    whether the config says it is a LION model (None: unknown, and weights without gates may be either)."""
     facts = _facts(state_dict)
     variant = {"s": "lion_s (a gate per token)", "d": "lion_d (one gate per head)"}.get(facts["variant"])
     if variant is None:
-        variant = ("lion_lit (no gates) or a softmax Transformer" if any(".self_attn.q_proj." in k for k in state_dict)
-                   else "not a LION model")
+        kinds = {None: "lion_lit (no gates) or a softmax Transformer", True: "lion_lit (no gates)"}
+        if lion is False:  # older layouts too (a released RoBERTa's combined in_proj)
+            variant = "a softmax Transformer" if any(".self_attn." in k for k in state_dict) else "not a LION model"
+        else:
+            variant = kinds[lion] if any(".self_attn.q_proj." in k for k in state_dict) else "not a LION model"
     return f"{variant}, {facts['layers']} layers, width {facts['width']}"
 
 
