@@ -797,34 +797,58 @@ def left_out_message(split: str, total: int, covered: int, multiple: int) -> Opt
             "1 to evaluate them all")
 
 
+def all_skipped_message(split: str, samples: int, limit: Any) -> str:
+    """What to say where fairseq skipped every sample of ``split`` as longer than ``limit``."""
+    return (f"fairseq skipped every one of the {samples} samples of '{split}': each is longer than {limit} tokens, the "
+            "most this run takes (the least of --max-tokens and the task's and the model's positions; a LION-LIT "
+            "model's learned positions end at the --max-positions or --max-target-positions it was built with). "
+            f"Pass --tokens-per-sample {limit if isinstance(limit, int) else 'N'} or less, or a larger --max-tokens")
+
+
 def _wrap_get_batch_iterator(original):
     """Where fairseq batches a split that it evaluates (validation in fairseq-train, fairseq-validate,
     fairseq-generate) with ``--required-batch-size-multiple`` above 1, it drops the samples of a last batch
     that is no multiple (fairseq #5036) without a word: said once per split, with what to pass. Training
-    splits are left alone (a few samples an epoch, and the multiple is what a GPU is fed)."""
+    splits are left alone (a few samples an epoch, and the multiple is what a GPU is fed). A split whose
+    every sample is too long for the run stops saying so (fairseq: an IndexError, 'The dataset is empty', or
+    a division by zero after evaluating nothing)."""
     import inspect
 
     signature = inspect.signature(original)
     said = set()
 
+    def kept(self, dataset, a) -> int:
+        """The samples fairseq batches: its ordered indices, less those longer than max_positions."""
+        from fairseq.data import data_utils
+
+        with data_utils.numpy_seed(a["seed"] + a["epoch"]):  # as fairseq orders them
+            indices = dataset.ordered_indices()
+        if a["max_positions"] is not None:
+            indices, _ = dataset.filter_indices_by_size(indices, a["max_positions"])
+        return len(indices)
+
     @functools.wraps(original)
     def get_batch_iterator(self, dataset, *args, **kwargs):
-        itr = original(self, dataset, *args, **kwargs)
+        call = signature.bind(self, dataset, *args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None) or "a split"
         try:
-            call = signature.bind(self, dataset, *args, **kwargs)
-            call.apply_defaults()
-            a = call.arguments
-            split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None)
-            if a["required_batch_size_multiple"] <= 1 or split is None or split.startswith("train") or split in said:
+            itr = original(self, dataset, *args, **kwargs)
+        except IndexError as e:  # fairseq's batch_by_size on no indices
+            if a["max_positions"] is not None and len(dataset) and kept(self, dataset, a) == 0:
+                raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"])) from e
+            raise
+        try:
+            batches = itr.frozen_batches
+            if not batches and a["max_positions"] is not None and len(dataset):
+                raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"]))
+            multiple = a["required_batch_size_multiple"]
+            if multiple <= 1 or split == "a split" or split.startswith("train") or split in said:
                 return itr
-            from fairseq.data import data_utils
-
-            with data_utils.numpy_seed(a["seed"] + a["epoch"]):  # the indices fairseq batched, as it orders them
-                indices = dataset.ordered_indices()
-            if a["max_positions"] is not None:
-                indices, _ = dataset.filter_indices_by_size(indices, a["max_positions"])
-            message = left_out_message(split, len(indices), sum(len(b) for b in itr.frozen_batches),
-                                       a["required_batch_size_multiple"])
+            message = left_out_message(split, kept(self, dataset, a), sum(len(b) for b in batches), multiple)
+        except ValueError:
+            raise
         except Exception:  # noqa: BLE001 - a dataset that orders or filters otherwise: say nothing
             return itr
         if message:

@@ -963,11 +963,12 @@ def test_check_checkpoint_stops_on_a_missing_file_and_reads_older_checkpoints_po
     assert capsys.readouterr().out.strip() == "512"
 
 
-def test_samples_fairseqs_batching_leaves_out_of_an_evaluated_split_are_counted_and_said(text_data_bin, caplog):
+def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, caplog):
     """--required-batch-size-multiple 8 (fairseq's default) drops the samples of a last batch that is no
     multiple of 8 (fairseq #5036): the validation loss of fairseq-train and fairseq-validate, and
     fairseq-generate's BLEU, left out the same samples every time, without a word. Said once per split,
-    with the count and what to pass; a training split is left alone."""
+    with the count and what to pass; a training split is left alone. A split whose every sample is longer
+    than the run takes stops naming the limit and what to pass."""
     import logging
 
     for length in range(32, 40):  # blocks of a length that makes a valid split of no multiple of 8 samples
@@ -990,3 +991,12 @@ def test_samples_fairseqs_batching_leaves_out_of_an_evaluated_split_are_counted_
         f"fairseq's batches leave out {n % 8} of the {n} samples of 'valid' (--required-batch-size-multiple 8 "
         "drops a last batch of another size: fairseq #5036), the same ones at every evaluation, so its loss and "
         "metrics leave them out too: pass --required-batch-size-multiple 1 to evaluate them all"], said
+    # a split of which the run takes no sample (all longer than its limit) is said so, whichever way fairseq
+    # failed: an IndexError in its batching (multiple 8), "The dataset is empty" or a division by zero (1)
+    shortest = int(min(task.dataset("valid").sizes))
+    for multiple in (8, 1):
+        with pytest.raises(ValueError, match=rf"fairseq skipped every one of the {n} samples of 'valid': each is "
+                                             rf"longer than {shortest - 1} tokens.*--tokens-per-sample {shortest - 1} or less"):
+            task.get_batch_iterator(task.dataset("valid"), max_sentences=16, max_positions=shortest - 1,
+                                    ignore_invalid_inputs=True, disable_iterator_cache=True,
+                                    required_batch_size_multiple=multiple)
