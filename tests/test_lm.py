@@ -593,6 +593,8 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
         eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_form': 'chunky', 'lion_chunk_size': '16'}")
     with pytest.raises(ValueError, match=r"'lion_chunk_size': 0 is no whole number >= 1"):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk_size=0)
+    with pytest.raises(ValueError, match=r"bpe='sentencepeice' is no BPE fairseq knows: did you mean 'sentencepiece'"):
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), bpe="sentencepeice")
 
 
 def test_lion_override_on_a_softmax_checkpoint_is_ignored_as_fairseq_does(caplog):
