@@ -5,12 +5,13 @@ model's positions or on a model of another kind, a run resumed as another model,
 ``--print-alignment`` on linear cross-attention, a LION arch with another model's ``--task``, a ``--lion-*``
 option where no model takes it (``fairseq-eval-lm --lion-form``: ``--model-overrides``), a misspelled model
 name (``model._name`` under fairseq-hydra-train), ``--num-classes`` below the labels of sentence_prediction's
-data, samples of an evaluated split that fairseq's batching leaves out.
+data, samples of an evaluated split that fairseq's batching leaves out, a split of which it skips every
+sample.
 Each says what is wrong and what to pass; none changes what a working run does, except that a LION run
 resumed at or past ``--max-update`` ends at once (fairseq trained an update more and saved over its
 checkpoints).
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps thirteen
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps fourteen
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
 do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
@@ -19,6 +20,8 @@ do not fail:
 last line a user reads, and which starts from random weights where a ``--restore-file`` given with
 ``--reset-*`` options does not exist, or resumes a run as another model),
 ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line),
+``LanguageModelingTask.load_dataset`` (blocks of no token: ``--context-window`` not below
+``--tokens-per-sample`` in fairseq-eval-lm),
 ``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm),
 ``distributed.utils.broadcast_object`` (which resumes a multi-process run through a ``torch.load`` that
 ``weights_only`` refuses), ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
@@ -401,6 +404,21 @@ def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[st
             "option as its --flag without the dashes, with underscores (--lion-form -> 'lion_form')")
 
 
+def _wrap_language_modeling_load_dataset(original):
+    """Blocks of no token (``--tokens-per-sample`` 0, or in fairseq-eval-lm not above ``--context-window``,
+    which it takes off each block) fail in fairseq's block builder with a division by zero or 'negative
+    dimensions are not allowed': refused naming both options."""
+    @functools.wraps(original)
+    def load_dataset(self, split, *args, **kwargs):
+        if self.args.tokens_per_sample < 1:
+            raise ValueError(f"blocks of {self.args.tokens_per_sample} tokens: --tokens-per-sample must be above 0, and in "
+                             "fairseq-eval-lm above --context-window, which it takes off each block (each block scores "
+                             "the tokens after its context): lower --context-window or raise --tokens-per-sample")
+        return original(self, split, *args, **kwargs)
+    load_dataset.__lion_wrapped__ = True
+    return load_dataset
+
+
 def _wrap_eval_lm_dataloader(original):
     @functools.wraps(original)
     def eval_lm_dataloader(self, dataset, *args, **kwargs):
@@ -767,6 +785,8 @@ def install() -> None:
 
     if not getattr(LanguageModelingTask.eval_lm_dataloader, "__lion_wrapped__", False):
         LanguageModelingTask.eval_lm_dataloader = _wrap_eval_lm_dataloader(LanguageModelingTask.eval_lm_dataloader)
+    if not getattr(LanguageModelingTask.load_dataset, "__lion_wrapped__", False):
+        LanguageModelingTask.load_dataset = _wrap_language_modeling_load_dataset(LanguageModelingTask.load_dataset)
     if not getattr(LanguageModelingTask.build_model, "__lion_wrapped__", False):
         LanguageModelingTask.build_model = _wrap_language_model_build(LanguageModelingTask.build_model)
     from fairseq.tasks import FairseqTask
@@ -797,9 +817,10 @@ def left_out_message(split: str, total: int, covered: int, multiple: int) -> Opt
             "1 to evaluate them all")
 
 
-def all_skipped_message(split: str, samples: int, limit: Any) -> str:
-    """What to say where fairseq skipped every sample of ``split`` as longer than ``limit``."""
-    return (f"fairseq skipped every one of the {samples} samples of '{split}': each is longer than {limit} tokens, the "
+def all_skipped_message(split: Optional[str], samples: int, limit: Any) -> str:
+    """What to say where fairseq skipped every sample of ``split`` (None: a dataset of no split's name) as
+    longer than ``limit``."""
+    return (f"fairseq skipped every one of the {samples} samples of {repr(split) if split else 'the data'}: each is longer than {limit} tokens, the "
             "most this run takes (the least of --max-tokens and the task's and the model's positions; a LION-LIT "
             "model's learned positions end at the --max-positions or --max-target-positions it was built with). "
             f"Pass --tokens-per-sample {limit if isinstance(limit, int) else 'N'} or less, or a larger --max-tokens")
@@ -832,7 +853,7 @@ def _wrap_get_batch_iterator(original):
         call = signature.bind(self, dataset, *args, **kwargs)
         call.apply_defaults()
         a = call.arguments
-        split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None) or "a split"
+        split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None)
         try:
             itr = original(self, dataset, *args, **kwargs)
         except IndexError as e:  # fairseq's batch_by_size on no indices
@@ -844,7 +865,7 @@ def _wrap_get_batch_iterator(original):
             if not batches and a["max_positions"] is not None and len(dataset):
                 raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"]))
             multiple = a["required_batch_size_multiple"]
-            if multiple <= 1 or split == "a split" or split.startswith("train") or split in said:
+            if multiple <= 1 or split is None or split.startswith("train") or split in said:
                 return itr
             message = left_out_message(split, kept(self, dataset, a), sum(len(b) for b in batches), multiple)
         except ValueError:

@@ -576,6 +576,17 @@ def test_another_data_folder_is_named_as_the_misfit(trained, text_data_bin, tmp_
     assert "--restore-file" not in str(e.value)
 
 
+def test_eval_lm_context_window_not_below_the_blocks_is_refused(trained, text_data_bin):
+    """A --context-window of --tokens-per-sample or more leaves each block nothing to score: fairseq failed
+    with "negative dimensions are not allowed" (or a division by zero)."""
+    ckpt, _ = trained
+    for window, block in (("32", 0), ("40", -8)):
+        with pytest.raises(ValueError, match=rf"^blocks of {block} tokens: --tokens-per-sample must be above 0, and in "
+                                             "fairseq-eval-lm above --context-window"):
+            eval_lm_in_process(text_data_bin, ckpt, "--tokens-per-sample", "32", "--context-window", window)
+    assert 3.0 < eval_lm_in_process(text_data_bin, ckpt, "--tokens-per-sample", "32", "--context-window", "24") < 20.0
+
+
 def test_misspelled_model_override_is_refused(trained, text_data_bin):
     """A misspelled --model-overrides key (or hub keyword) would be ignored by fairseq, which would run the
     checkpoint as trained; it stops naming the key and the option it is near."""
