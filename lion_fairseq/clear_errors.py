@@ -263,7 +263,16 @@ TEACHER_STRUCTURE = ("activation_fn", *HEADS)
 
 
 def is_lion_config(model_cfg: Any) -> bool:
-    return getattr(model_cfg, "lion_variant", None) is not None
+    """Whether a model config (a DictConfig, a Namespace or a checkpoint's plain dict) is a LION model's:
+    its variant set, or, where an arch leaves it unset (fairseq-hydra-train's ``model._name: lion_lm``),
+    its name one of LION's models or archs."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    get = model_cfg.get if isinstance(model_cfg, dict) else lambda key: getattr(model_cfg, key, None)
+    if model_cfg is None or get("lion_variant") is not None:
+        return model_cfg is not None
+    name = get("_name") or get("arch")
+    return isinstance(name, str) and str(ARCH_MODEL_NAME_REGISTRY.get(name, name)).startswith("lion")
 
 
 def changed_since_training(trained: Any, building: Any) -> List[str]:

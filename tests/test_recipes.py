@@ -281,16 +281,22 @@ def test_hydra_glue_metric_overrides_compose_as_documented():
 def test_hydra_lm(wiki_data, tmp_path):
     # an arch name as _name gives its variant: the config leaves it to the arch (its 's' built LION-S
     # under a name that says D)
-    out = hydra("lm", "wiki103", f"task.data={wiki_data}", f"checkpoint.save_dir={tmp_path}",
-                "model._name=lion_d_lm_tiny", "model.decoder_layers=2", "model.decoder_embed_dim=128",
-                "model.decoder_ffn_embed_dim=512", "model.decoder_attention_heads=2", "task.tokens_per_sample=64",
-                "dataset.max_tokens=512", "optimization.update_freq=[1]", "optimization.max_update=3",
-                "lr_scheduler.warmup_updates=1")
+    command = ("lm", "wiki103", f"task.data={wiki_data}", f"checkpoint.save_dir={tmp_path}",
+               "model._name=lion_d_lm_tiny", "model.decoder_layers=2", "model.decoder_embed_dim=128",
+               "model.decoder_ffn_embed_dim=512", "model.decoder_attention_heads=2", "task.tokens_per_sample=64",
+               "dataset.max_tokens=512", "optimization.update_freq=[1]", "optimization.max_update=3",
+               "lr_scheduler.warmup_updates=1")
+    out = hydra(*command)
     assert len(records(out, "train_inner")) == 3
     cfg = model_cfg(tmp_path / "checkpoint_last.pt")
     assert cfg["model"]["_name"] == "lion_d_lm_tiny" and cfg["model"]["lion_variant"] == "d"
     assert cfg["model"]["decoder_layers"] == 2
     assert cfg["task"]["tokens_per_sample"] == 64
+    # the same command again: the run has finished, so it trains nothing and leaves its checkpoints as they are
+    last = (tmp_path / "checkpoint_last.pt").read_bytes()
+    out = hydra(*command)
+    assert "is at 3 updates and --max-update is 3: this run has finished" in out and "Under fairseq-hydra-train" in out
+    assert not records(out, "train_inner") and (tmp_path / "checkpoint_last.pt").read_bytes() == last
 
 
 # ---- the scripts' own logic, against a stand-in fairseq-train that prints its arguments ----------------

@@ -1000,3 +1000,16 @@ def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, c
             task.get_batch_iterator(task.dataset("valid"), max_sentences=16, max_positions=shortest - 1,
                                     ignore_invalid_inputs=True, disable_iterator_cache=True,
                                     required_batch_size_multiple=multiple)
+
+
+def test_a_lion_config_is_known_by_its_name_where_the_variant_is_left_to_the_arch():
+    """fairseq-hydra-train's ``model._name: lion_lm`` leaves lion_variant unset: the config is still a LION
+    model's (a finished run started again under hydra trained on), as its name says; fairseq's are not."""
+    from omegaconf import OmegaConf
+
+    for cfg, lion in (({"_name": "lion_lm", "lion_variant": None}, True), ({"_name": "lion_d_tiny"}, True),
+                      ({"_name": "transformer_lm"}, False), ({"arch": "lion_s_lm_tiny"}, True)):
+        assert clear_errors.is_lion_config(OmegaConf.create(cfg)) is lion, cfg
+        assert clear_errors.is_lion_config(cfg) is lion, cfg  # a checkpoint's plain dict
+        assert clear_errors.is_lion_config(argparse.Namespace(**cfg)) is lion, cfg
+    assert clear_errors.is_lion_config(None) is False
