@@ -213,6 +213,11 @@ def test_hub_sample_and_interactive(trained, text_data_bin):
                 [hub.decode(h[0]["tokens"]) for h in hub.generate([hub.encode(p) for p in prompts], beam=3,
                                                                    max_len_b=5, min_len=5)]):
         assert [o.split()[:-5] for o in out] == [p.split() for p in prompts], out
+    # a min_len past what max_len_b allows, in those terms (fairseq's assertion counts the prompt in); the
+    # default min_len, 1, with max_len_b=0 too
+    for lengths, least, most in (({"max_len_b": 3, "min_len": 6}, 6, 3), ({"max_len_b": 0}, 1, 0)):
+        with pytest.raises(ValueError, match=rf"^min_len={least} new tokens is more than the {most} that "):
+            hub.sample("if", beam=2, **lengths)
 
     proc = fairseq_cli("interactive", str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling",
                        "--path", str(ckpt), "--beam", "2", "--max-len-b", "6", "--num-workers", "0",

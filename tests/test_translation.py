@@ -279,6 +279,8 @@ def test_interactive_score_and_hub(mt_data, trained, tmp_path):
 
     hub = LionTransformerModel.from_pretrained(str(trained.parent), trained.name, str(mt_data), beam=2)
     assert len(hub.translate("w1 w2 w3").split()) >= 1
+    with pytest.raises(ValueError, match="score\\(\\) scores a language model's text; .*--score-reference"):
+        hub.score("w1 w2 w3")  # fairseq's failed inside the model (no prev_output_tokens)
     # past the model's max positions: the hub's advice, and its fix for sinusoidal positions, which works
     limit = hub.models[0].max_positions()[0]
     long = " ".join(["w1"] * (limit + 20))

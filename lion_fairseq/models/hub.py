@@ -92,6 +92,15 @@ class CheckedGeneratorHubInterface(GeneratorHubInterface):
                              "it out of the results); positions without weights (fairseq's sinusoidal ones) go further "
                              "when from_pretrained is given larger max_source_positions / max_target_positions") from e
 
+    def score(self, sentences, replace_newline_with_eos: bool = False, **kwargs):
+        """fairseq's, which scores a language model's text; on a translation model it has no target to score
+        (fairseq's own fails inside the model, missing prev_output_tokens): refused, naming what does."""
+        if getattr(self.task, "src_dict", None) is not None:  # a translation task's (a language model's has none)
+            raise ValueError("score() scores a language model's text; a translation model scores a target given its "
+                             "source with fairseq-generate --score-reference (a reference translation per source "
+                             "sentence), or through the model's forward with prev_output_tokens")
+        return super().score(sentences, replace_newline_with_eos, **kwargs)
+
 
 class ContinuationHubInterface(CheckedGeneratorHubInterface):
     """fairseq's ``GeneratorHubInterface`` for a language model, with lengths counted after the prompt:
@@ -141,6 +150,10 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
                     f"generator keeps the last for </s>): use a prompt of at most {room - 1} tokens (or, among a list "
                     f"of prompts, skip_invalid_size_inputs=True to leave it out of the results), or {beyond}")
             wanted, least = int(per_prompt * prompt + new), min_new
+            if least > wanted:  # fairseq: "min_len cannot be larger than max_len", in its own prompt-counting terms
+                raise ValueError(f"min_len={least} new tokens is more than the {wanted} that max_len_b={new} (and "
+                                 f"max_len_a={per_prompt}) allow after a prompt of {prompt} tokens: lower min_len or "
+                                 "raise max_len_b (both count new tokens; min_len is 1 unless given)")
             if prompt + wanted > room:
                 warnings.warn(f"a prompt of {prompt} tokens continues by at most {room - prompt} tokens, not "
                               f"{wanted}: the model's {limit} {bound} bound prompt and continuation together")
