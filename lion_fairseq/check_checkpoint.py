@@ -32,7 +32,8 @@ def explain(path: str) -> str:
     name = _field(cfg.get("model"), "_name") or _field(cfg.get("model"), "arch") or _field(args, "arch")
     task = _field(cfg.get("task"), "_name") or _field(args, "task")
     updates = (state.get("optimizer_history") or [{}])[-1].get("num_updates")
-    where = f"{path}: model/arch {name!r}, task {task!r}, {updates} updates, {describe_weights(state.get('model', {}), lion=str(name).startswith('lion'))}."
+    weights = describe_weights(state.get("model", {}), lion=str(name).startswith("lion"))
+    where = f"{path}: model/arch {name!r}, task {task!r}, {updates} updates, {weights}."
     if name and str(name).startswith("lion"):
         return (where + f" It was trained with this plugin: every fairseq command that reads it needs "
                 f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "

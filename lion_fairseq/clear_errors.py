@@ -420,9 +420,10 @@ def _wrap_language_modeling_load_dataset(original):
     @functools.wraps(original)
     def load_dataset(self, split, *args, **kwargs):
         if self.args.tokens_per_sample < 1:
-            raise ValueError(f"blocks of {self.args.tokens_per_sample} tokens: --tokens-per-sample must be above 0, and in "
-                             "fairseq-eval-lm above --context-window, which it takes off each block (each block scores "
-                             "the tokens after its context): lower --context-window or raise --tokens-per-sample")
+            raise ValueError(f"blocks of {self.args.tokens_per_sample} tokens: --tokens-per-sample must be above 0, "
+                             "and in fairseq-eval-lm above --context-window, which it takes off each block (each "
+                             "block scores the tokens after its context): lower --context-window or raise "
+                             "--tokens-per-sample")
         return original(self, split, *args, **kwargs)
     load_dataset.__lion_wrapped__ = True
     return load_dataset
@@ -829,8 +830,9 @@ def left_out_message(split: str, total: int, covered: int, multiple: int) -> Opt
 def all_skipped_message(split: Optional[str], samples: int, limit: Any) -> str:
     """What to say where fairseq skipped every sample of ``split`` (None: a dataset of no split's name) as
     longer than ``limit``."""
-    return (f"fairseq skipped every one of the {samples} samples of {repr(split) if split else 'the data'}: each is longer than {limit} tokens, the "
-            "most this run takes (the least of --max-tokens and the task's and the model's positions; a LION-LIT "
+    which = repr(split) if split else "the data"
+    return (f"fairseq skipped every one of the {samples} samples of {which}: each is longer than {limit} tokens, "
+            "the most this run takes (the least of --max-tokens and the task's and the model's positions; a LION-LIT "
             "model's learned positions end at the --max-positions or --max-target-positions it was built with). "
             f"Pass --tokens-per-sample {limit if isinstance(limit, int) else 'N'} or less, or a larger --max-tokens")
 
@@ -845,7 +847,7 @@ def _wrap_get_batch_iterator(original):
     import inspect
 
     signature = inspect.signature(original)
-    said = set()
+    counted = set()  # the evaluated splits whose batches were counted: once each
 
     def kept(self, dataset, a) -> int:
         """The samples fairseq batches: its ordered indices, less those longer than max_positions."""
@@ -859,7 +861,10 @@ def _wrap_get_batch_iterator(original):
 
     @functools.wraps(original)
     def get_batch_iterator(self, dataset, *args, **kwargs):
-        call = signature.bind(self, dataset, *args, **kwargs)
+        try:
+            call = signature.bind(self, dataset, *args, **kwargs)
+        except TypeError:  # arguments fairseq's own does not take: its error, as it gives it
+            return original(self, dataset, *args, **kwargs)
         call.apply_defaults()
         a = call.arguments
         split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None)
@@ -874,15 +879,15 @@ def _wrap_get_batch_iterator(original):
             if not batches and a["max_positions"] is not None and len(dataset):
                 raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"]))
             multiple = a["required_batch_size_multiple"]
-            if multiple <= 1 or split is None or split.startswith("train") or split in said:
+            if multiple <= 1 or split is None or split.startswith("train") or split in counted:
                 return itr
+            counted.add(split)
             message = left_out_message(split, kept(self, dataset, a), sum(len(b) for b in batches), multiple)
         except ValueError:
             raise
         except Exception:  # noqa: BLE001 - a dataset that orders or filters otherwise: say nothing
             return itr
         if message:
-            said.add(split)
             logger.warning(message)
         return itr
     get_batch_iterator.__lion_wrapped__ = True
@@ -973,8 +978,9 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
                          ("norm after", "--lion-norm-after")):
         if a[fact] != b[fact]:
             if isinstance(a[fact], bool):  # a flag: what to do with it, not its value
-                return (f"{option}: the checkpoint was trained {'with' if a[fact] else 'without'} it and the model "
-                        f"is built {'with' if b[fact] else 'without'} it; {'pass' if a[fact] else 'leave out'} {option}")
+                was, built = ("with" if a[fact] else "without"), ("with" if b[fact] else "without")
+                return (f"{option}: the checkpoint was trained {was} it and the model is built {built} it; "
+                        f"{'pass' if a[fact] else 'leave out'} {option}")
             return (f"{option}: the checkpoint has {a[fact]} and the model {b[fact]}; "
                     + (f"pass {option} {a[fact]}" if a[fact] else f"leave out {option}"))
     for key in sorted(k for k in model if k.endswith("embed_tokens.weight") and k in checkpoint):

@@ -996,7 +996,8 @@ def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, c
     shortest = int(min(task.dataset("valid").sizes))
     for multiple in (8, 1):
         with pytest.raises(ValueError, match=rf"fairseq skipped every one of the {n} samples of 'valid': each is "
-                                             rf"longer than {shortest - 1} tokens.*--tokens-per-sample {shortest - 1} or less"):
+                                             rf"longer than {shortest - 1} tokens.*"
+                                             rf"--tokens-per-sample {shortest - 1} or less"):
             task.get_batch_iterator(task.dataset("valid"), max_sentences=16, max_positions=shortest - 1,
                                     ignore_invalid_inputs=True, disable_iterator_cache=True,
                                     required_batch_size_multiple=multiple)

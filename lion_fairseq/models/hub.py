@@ -205,8 +205,8 @@ def load_pretrained(cls, model_name_or_path: str, checkpoint_file: str, data_nam
         known = sorted(REGISTRIES["bpe"]["registry"])
         if bpe not in known:  # fairseq: a bare KeyError of the name
             near = difflib.get_close_matches(str(bpe), known, n=1)
-            raise ValueError(f"{where}: bpe={bpe!r} is no BPE fairseq knows" + (f": did you mean {near[0]!r}?" if near else "")
-                             + f" (fairseq's: {', '.join(known)})")
+            raise ValueError(f"{where}: bpe={bpe!r} is no BPE fairseq knows"
+                             + (f": did you mean {near[0]!r}?" if near else "") + f" (fairseq's: {', '.join(known)})")
     if bpe == "sentencepiece" and not kwargs.get("sentencepiece_model"):
         # fairseq looks for the model beside the checkpoint only, and stops at omegaconf's "Missing mandatory value"
         kwargs["sentencepiece_model"] = data_sentencepiece([data, model_name_or_path])

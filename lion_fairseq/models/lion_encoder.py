@@ -217,7 +217,8 @@ class LionHubInterface(RobertaHubInterface):
         if self.model.training and not getattr(self, "_said_training", False):
             # fairseq's RoBERTa hub starts in training mode, as does this one: a fine-tuning loop wants it,
             # while predictions made so differ from call to call and from fairseq-validate's
-            rates = sorted({m.p for m in self.model.modules() if isinstance(m, (FairseqDropout, nn.Dropout)) and m.p > 0})
+            rates = sorted({m.p for m in self.model.modules()
+                            if isinstance(m, (FairseqDropout, nn.Dropout)) and m.p > 0})
             if rates:
                 self._said_training = True
                 logger.warning("the hub is in training mode, as from_pretrained returns it (fairseq's RoBERTa hub "

@@ -10,7 +10,10 @@ DATA=$1; CKPT=$2; shift 2
 [ -f "$CKPT" ] || die "no checkpoint $CKPT"
 need fairseq-generate
 EXTRA=()
-if [ -n "${LION_FORM:-}" ]; then lion_form_setting LION_FORM; EXTRA+=(--model-overrides "{'lion_form': '$LION_FORM'}"); fi
+if [ -n "${LION_FORM:-}" ]; then
+  lion_form_setting LION_FORM
+  EXTRA+=(--model-overrides "{'lion_form': '$LION_FORM'}")
+fi
 [ "${REMOVE_BPE:-1}" = 1 ] && EXTRA+=(--remove-bpe)
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || EXTRA+=(--cpu)
 run fairseq-generate "$DATA" --user-dir "$USER_DIR" --path "$CKPT" --gen-subset test \
