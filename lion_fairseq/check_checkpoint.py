@@ -35,7 +35,9 @@ def explain(path: str) -> str:
     weights = describe_weights(state.get("model", {}), lion=str(name).startswith("lion"))
     where = f"{path}: model/arch {name!r}, task {task!r}, {updates} updates, {weights}."
     if name and str(name).startswith("lion"):
-        return (where + f" It was trained with this plugin: every fairseq command that reads it needs "
+        trained = trained_as_options(cfg.get("model") or (vars(args) if args is not None else None))
+        return (where + (f" It was trained as {trained}." if trained else "")
+                + f" It was trained with this plugin: every fairseq command that reads it needs "
                 f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "
                 "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
     student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)

@@ -907,7 +907,12 @@ def describe_weights(state_dict: Dict[str, torch.Tensor], lion: Optional[bool] =
             variant = "a softmax Transformer" if any(".self_attn." in k for k in state_dict) else "not a LION model"
         else:
             variant = kinds[lion] if any(".self_attn.q_proj." in k for k in state_dict) else "not a LION model"
-    return f"{variant}, {facts['layers']} layers, width {facts['width']}"
+    depth = {side: len({m.group(1) for k in state_dict
+                        for m in [re.match(rf"{side}\.(?:sentence_encoder\.)?layers\.(\d+)\.", k)] if m})
+             for side in ("encoder", "decoder")}  # a translation model has both stacks
+    layers = (f"{depth['encoder']} encoder and {depth['decoder']} decoder layers" if all(depth.values())
+              else f"{facts['layers']} layers")
+    return f"{variant}, {layers}, width {facts['width']}"
 
 
 def _facts(state_dict: Dict[str, torch.Tensor]) -> Dict[str, Any]:

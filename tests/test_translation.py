@@ -6,6 +6,7 @@ Decoding through the recurrent state equals the teacher-forced full pass (beam s
 and its shrinking batch, left-padded sources) for every variant and both kinds of cross-attention; the
 decoder's state does not grow with the target; fairseq's own tools train, generate, score and serve it."""
 import contextlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,6 +232,17 @@ def trained(mt_data, tmp_path_factory) -> Path:
     fairseq_cli("train", str(mt_data), *TRAIN, "--arch", "lion_s_transformer_tiny", "--max-update", "40",
                 "--save-dir", str(save), timeout=900)
     return save / "checkpoint_best.pt"
+
+
+def test_check_checkpoint_names_both_stacks_and_the_options_to_pass(trained):
+    """A translation checkpoint was described as '2 layers' (of 2 + 2), without the options it was trained
+    as, the cross-attention among them, which an override may not change."""
+    from lion_fairseq.check_checkpoint import explain
+
+    text = explain(str(trained))
+    assert "lion_s (a gate per token), 2 encoder and 2 decoder layers, width " in text, text
+    assert "It was trained as --arch lion_s_transformer_tiny --encoder-layers 2 " in text, text
+    assert re.search(r"--decoder-layers 2 .*--lion-cross-attention softmax", text), text
 
 
 def generate(data: Path, ckpt: Path, *args: str) -> str:
