@@ -50,7 +50,8 @@ def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     check_destdir(destdir, force)
     # a run killed outright (kill -9, a lost node) cannot remove its staging folder; one still running
     # elsewhere (a shared file system) would lose its work, so they are named, not deleted
-    left = sorted(str(p) for p in destdir.parent.glob(f".{destdir.name}.partial-*")) if destdir.parent.is_dir() else []
+    left = (sorted(str(p) for p in destdir.parent.glob(f".{destdir.name}.partial-*"))
+            if destdir.parent.is_dir() else [])
     if left:
         log.warning("%s: staging folder(s) of another run into %s, unfinished (still running, or killed): delete "
                     "them once no such run is left", ", ".join(left), destdir)

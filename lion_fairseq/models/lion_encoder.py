@@ -35,6 +35,7 @@ from .lion_options import (UNBOUNDED_POSITIONS, LionOptions, arch_filling, boole
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class LionEncoderConfig(LionOptions):
     encoder_layers: Optional[int] = field(default=None,
