@@ -6,8 +6,8 @@ import os
 import sys
 from typing import List, Optional
 
-from .clear_errors import (PACKAGE_DIR, CheckpointError, corrupt_record, describe_weights, intact_checkpoints,
-                           load_checkpoint_file, trained_as_options, unreadable_checkpoint_message)
+from .clear_errors import (PACKAGE_DIR, CheckpointError, describe_weights, intact_checkpoints, load_checkpoint_file,
+                           trained_as_options)
 
 
 def explain(path: str) -> str:
@@ -20,11 +20,8 @@ def explain(path: str) -> str:
         return f"{path}: no such file"
     try:
         state = load_checkpoint_file(path)
-    except CheckpointError as e:  # truncated or corrupt, or intact with an object torch refuses: it says which
+    except CheckpointError as e:  # truncated, failing its CRCs, or intact with an object torch refuses: it says which
         return str(e)
-    bad = corrupt_record(path)
-    if bad is not None:
-        return unreadable_checkpoint_message(path, ValueError(f"its record {bad} fails its CRC check"))
     cfg = state.get("cfg") if hasattr(state.get("cfg"), "get") else {}
     # a dataclass config's sections are dicts; a legacy model's (RoBERTa's) is an argparse.Namespace, inside
     # cfg or as the checkpoint's ``args``

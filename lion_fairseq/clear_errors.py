@@ -266,13 +266,11 @@ def is_lion_config(model_cfg: Any) -> bool:
     """Whether a model config (a DictConfig, a Namespace or a checkpoint's plain dict) is a LION model's:
     its variant set, or, where an arch leaves it unset (fairseq-hydra-train's ``model._name: lion_lm``),
     its name one of LION's models or archs."""
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-
     get = model_cfg.get if isinstance(model_cfg, dict) else lambda key: getattr(model_cfg, key, None)
     if model_cfg is None or get("lion_variant") is not None:
         return model_cfg is not None
     name = get("_name") or get("arch")
-    return isinstance(name, str) and str(ARCH_MODEL_NAME_REGISTRY.get(name, name)).startswith("lion")
+    return isinstance(name, str) and bool(_options_of(name))
 
 
 def changed_since_training(trained: Any, building: Any) -> List[str]:
@@ -293,7 +291,6 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
 
 def _wrap_load_checkpoint_to_cpu(original):
     def read(path, arg_overrides, load_on_all_ranks):
-        check_crc(str(path))
         try:
             with _allowed_in_checkpoints():
                 return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
@@ -304,6 +301,7 @@ def _wrap_load_checkpoint_to_cpu(original):
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        check_crc(str(path))  # once, though a legacy checkpoint may be read twice below
         fixed = {k: v for k, v in (arg_overrides or {}).items() if k in FIXED_BY_TRAINING}
         # checked against a LION checkpoint's trained values, so not applied (equal, they change nothing)
         state = read(path, {k: v for k, v in arg_overrides.items() if k not in fixed} if fixed else arg_overrides,
@@ -907,9 +905,9 @@ def describe_weights(state_dict: Dict[str, torch.Tensor], lion: Optional[bool] =
             variant = "a softmax Transformer" if any(".self_attn." in k for k in state_dict) else "not a LION model"
         else:
             variant = kinds[lion] if any(".self_attn.q_proj." in k for k in state_dict) else "not a LION model"
-    depth = {side: len({m.group(1) for k in state_dict
-                        for m in [re.match(rf"{side}\.(?:sentence_encoder\.)?layers\.(\d+)\.", k)] if m})
-             for side in ("encoder", "decoder")}  # a translation model has both stacks
+    from .models.convert import _layers
+
+    depth = {side: _layers(state_dict, side + ".") for side in ("encoder", "decoder")}  # a translation model's
     layers = (f"{depth['encoder']} encoder and {depth['decoder']} decoder layers" if all(depth.values())
               else f"{facts['layers']} layers")
     return f"{variant}, {layers}, width {facts['width']}"
