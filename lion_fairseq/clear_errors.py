@@ -872,19 +872,18 @@ def _wrap_get_batch_iterator(original):
             if a["max_positions"] is not None and len(dataset) and kept(self, dataset, a) == 0:
                 raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"])) from e
             raise
+        batches = itr.frozen_batches
+        if not batches and a["max_positions"] is not None and len(dataset):
+            raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"]))
+        multiple = a["required_batch_size_multiple"]
+        if multiple <= 1 or split is None or split.startswith("train") or split in counted:
+            return itr
+        counted.add(split)
         try:
-            batches = itr.frozen_batches
-            if not batches and a["max_positions"] is not None and len(dataset):
-                raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"]))
-            multiple = a["required_batch_size_multiple"]
-            if multiple <= 1 or split is None or split.startswith("train") or split in counted:
-                return itr
-            counted.add(split)
-            message = left_out_message(split, kept(self, dataset, a), sum(len(b) for b in batches), multiple)
-        except ValueError:
-            raise
+            total = kept(self, dataset, a)
         except Exception:  # noqa: BLE001 - a dataset that orders or filters otherwise: say nothing
             return itr
+        message = left_out_message(split, total, sum(len(b) for b in batches), multiple)
         if message:
             logger.warning(message)
         return itr
