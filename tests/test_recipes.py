@@ -235,15 +235,19 @@ def test_translation_prepare_train_generate(tmp_path):
     assert "error: LION_FORM must be parallel, chunk or recurrent" in out and "Traceback" not in out, out
 
 
-def hydra(config_dir: str, name: str, *overrides: str) -> str:
+def hydra(config_dir: str, name: str, *overrides: str, logs: Path = None) -> str:
+    """fairseq-hydra-train on a recipe's config; hydra's log folder goes to ``logs``, not into the checkout
+    (hydra's default is outputs/<date>/<time> under the folder it runs in)."""
+    run_dir = [f"hydra.run.dir={logs}"] if logs else []
     return run(["fairseq-hydra-train", "--config-dir", RECIPES / "hydra" / config_dir, "--config-name", name,
-                f"common.user_dir={USER_DIR}", *HYDRA_CPU, *overrides])
+                f"common.user_dir={USER_DIR}", *HYDRA_CPU, *overrides, *run_dir])
 
 
 def test_hydra_pretrain_then_finetune(spm_data, glue_data, tmp_path):
     out = hydra("pretraining", "base", f"task.data={spm_data}", f"checkpoint.save_dir={tmp_path / 'mlm'}",
                 "model.lion_variant=d", *TINY_ENCODER, "optimization.max_update=3", "lr_scheduler.total_num_update=3",
-                "lr_scheduler.warmup_updates=1", "dataset.batch_size=8", "optimization.update_freq=[1]")
+                "lr_scheduler.warmup_updates=1", "dataset.batch_size=8", "optimization.update_freq=[1]",
+                logs=tmp_path / "hydra")
     assert len(records(out, "train_inner")) == 3
     cfg = model_cfg(tmp_path / "mlm" / "checkpoint_last.pt")
     assert cfg["model"]["_name"] == "lion_roberta" and cfg["model"]["lion_variant"] == "d"
@@ -254,11 +258,11 @@ def test_hydra_pretrain_then_finetune(spm_data, glue_data, tmp_path):
                 f"checkpoint.finetune_from_model={tmp_path / 'mlm' / 'checkpoint_last.pt'}",
                 f"checkpoint.save_dir={tmp_path / 'ft'}", "model.lion_variant=d", *TINY_ENCODER,
                 "lr_scheduler.warmup_updates=1", "dataset.batch_size=8"]
-    out = hydra(*finetune, "optimization.max_update=3")
+    out = hydra(*finetune, "optimization.max_update=3", logs=tmp_path / "hydra")
     assert f"Loaded checkpoint {tmp_path / 'mlm' / 'checkpoint_last.pt'}" in out
     assert records(out, "valid") and "valid_accuracy" in records(out, "valid")[-1]
     # run again for longer: it goes on from its own last checkpoint, not from the pretrained weights again
-    out = hydra(*finetune, "optimization.max_update=4")
+    out = hydra(*finetune, "optimization.max_update=4", logs=tmp_path / "hydra")
     assert f"Loaded checkpoint {tmp_path / 'ft' / 'checkpoint_last.pt'} (epoch 1 @ 3 updates)" in out, out[-3000:]
 
 
@@ -286,7 +290,7 @@ def test_hydra_lm(wiki_data, tmp_path):
                "model.decoder_ffn_embed_dim=512", "model.decoder_attention_heads=2", "task.tokens_per_sample=64",
                "dataset.max_tokens=512", "optimization.update_freq=[1]", "optimization.max_update=3",
                "lr_scheduler.warmup_updates=1")
-    out = hydra(*command)
+    out = hydra(*command, logs=tmp_path / "hydra")
     assert len(records(out, "train_inner")) == 3
     cfg = model_cfg(tmp_path / "checkpoint_last.pt")
     assert cfg["model"]["_name"] == "lion_d_lm_tiny" and cfg["model"]["lion_variant"] == "d"
@@ -294,7 +298,7 @@ def test_hydra_lm(wiki_data, tmp_path):
     assert cfg["task"]["tokens_per_sample"] == 64
     # the same command again: the run has finished, so it trains nothing and leaves its checkpoints as they are
     last = (tmp_path / "checkpoint_last.pt").read_bytes()
-    out = hydra(*command)
+    out = hydra(*command, logs=tmp_path / "hydra")
     assert "is at 3 updates and --max-update is 3: this run has finished" in out and "Under fairseq-hydra-train" in out
     assert not records(out, "train_inner") and (tmp_path / "checkpoint_last.pt").read_bytes() == last
 
