@@ -136,6 +136,24 @@ def test_blockwise_inference_and_decoding_under_autocast(dtype):
         assert float((a.double() - ref).norm() / ref.norm()) <= TOLERANCE[dtype], name
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_decoding_step_keeps_its_sums_in_float32_under_autocast(dtype):
+    """lion_step's ``q_t S``, whose state S sums the whole context: under autocast it ran in 16 bits, so a
+    LION-LIT state past fp16's 65504 (70,000 tokens) gave inf, and bf16 rounded every step. It now gives
+    what it gives without autocast, with and without gates."""
+    from lion_fairseq.ops import lion_step
+
+    torch.manual_seed(0)
+    q, k = torch.rand(2, 2, 2, 16).unbind(0)  # positive, as LION's feature maps give
+    v = torch.randn(2, 2, 16)
+    state = (torch.rand(2, 2, 16, 16) * 7e4, torch.rand(2, 2, 16) * 7e4)
+    for log_a in (None, torch.full((2, 2), -1e-4)):
+        expected, expected_state = lion_step(q, k, v, log_a, state)
+        with torch.autocast("cpu", dtype={"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]):
+            y, new_state = lion_step(q, k, v, log_a, state)
+        assert torch.equal(y, expected) and all(map(torch.equal, new_state, expected_state))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("task, arch", [("masked_lm", "lion_lit_tiny"), ("masked_lm", "lion_d_tiny"),
                                         ("masked_lm", "lion_s_tiny"), ("language_modeling", "lion_s_lm_tiny")])

@@ -54,6 +54,7 @@ def decayed(S: Tensor, z: Tensor, log_a: Tensor) -> State:
     return f[..., None, None] * S, f[..., None] * z
 
 
+@float32_math  # under autocast, q_t S would run in 16 bits: S sums the whole context (past fp16's 65504)
 def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] = None,
               state: Optional[State] = None, *, normalize: bool = True, eps: float = 1e-6) -> Tuple[Tensor, State]:
     """One token of the causal recurrence, for decoding.
