@@ -190,3 +190,24 @@ def test_attention_dropout_drops_in_training_only():
     assert torch.equal(outputs[0.0][0], outputs[0.0][1])  # nothing else drops
     assert not torch.equal(outputs[0.5][0], outputs[0.5][1])
     assert torch.equal(outputs[0.5][2], outputs[0.5][3]) and torch.equal(outputs[0.5][2], outputs[0.0][2])
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunk", "recurrent"])
+def test_module_under_torch_compile_equals_eager_with_gradients(form, forms_run):
+    """``torch.compile`` of a LionAttention, traced by TorchDynamo (the "eager" backend leaves out the code
+    generation, which is inductor's): the chunk form's reused buffers stopped the trace with an
+    InternalTorchDynamoError; that form now runs as in eager mode inside the compiled module."""
+    torch.manual_seed(0)
+    m = LionAttention(C, H, "s", form=form, chunk_size=4)
+    x = torch.randn(T, B, C, requires_grad=True)
+    grads = []
+    for module in (m, torch.compile(m, backend="eager")):
+        y = module(x)
+        grads.append(torch.autograd.grad((y * y).sum(), [x, *m.parameters()]))
+        if module is m:
+            eager = y
+    torch._dynamo.reset()
+    torch.testing.assert_close(y, eager, rtol=1e-6, atol=1e-7)
+    for got, expected in zip(*reversed(grads)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert forms_run == [form, form]

@@ -670,6 +670,25 @@ def test_layer_on_the_kernel(variant, monkeypatch):
         assert max_err(g_kernel[name], g, g.abs().max()) < 1e-4, name
 
 
+def test_layer_on_the_kernel_under_torch_compile(monkeypatch):
+    """``torch.compile`` of a layer on the kernel (traced by TorchDynamo, the "eager" backend): the kernel's
+    call runs as in eager mode, launches and all, where the trace failed before; values and gradients as
+    uncompiled."""
+    torch.manual_seed(0)
+    layer = LionAttention(64, 2, "s", form="chunk", chunk_size=16).to(DEVICE)
+    x = torch.randn(37, B, 64, device=DEVICE, requires_grad=True)
+    monkeypatch.setenv("LION_BACKEND", "triton")
+    walks = launched(monkeypatch, "_forward_walk")
+    results = []
+    for module in (layer, torch.compile(layer, backend="eager")):
+        y = module(x, key_padding_mask=padding(37))
+        results.append((y, *torch.autograd.grad(y.pow(2).sum(), [x, *layer.parameters()])))
+    torch._dynamo.reset()
+    assert len(walks) == 4  # both directions, uncompiled and compiled
+    for got, expected in zip(*results):
+        assert max_err(got, expected, expected.abs().max()) < 1e-6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("causal", [False, True])

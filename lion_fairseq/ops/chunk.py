@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .compiling import eager_under_compile
 from .float32 import accumulation_dtype
 from .workspace import workspace
 
@@ -440,6 +441,7 @@ def _suffix_sum(dcum: Tensor, G: int) -> Tensor:
     return out.to(dcum.dtype)
 
 
+@eager_under_compile  # TorchDynamo cannot trace the reused buffers
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
                     log_a_bwd: Optional[Tensor], causal: bool, chunk_size: int, normalize: bool = False,
                     eps: float = 1e-6) -> Tensor:

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
+from .compiling import eager_under_compile
 from .kernel import launching_on
 
 ELEMENTS = 2048  # rows per program: as many as make about this many elements (4096 spilled on sm_90)
@@ -99,6 +100,7 @@ class _SiluNorm(torch.autograd.Function):
         return dx
 
 
+@eager_under_compile
 def silu_norm_kernel(x: Tensor) -> Tensor:
     """``(silu(x) + 0.5) / ||silu(x) + 0.5||`` over the last dim, any shape, on CUDA (or on CPU under
     ``TRITON_INTERPRET=1``); float32, bfloat16 or float16; differentiable. Returns x's shape and dtype."""

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .backend import version_numbers
+from .compiling import eager_under_compile
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the normaliser's column of ones makes Dv odd (65 for D = 64): zero columns up to a multiple of 8 keep
@@ -180,6 +181,7 @@ def _to_fla_layout(x: Tensor) -> Tensor:
     return (F.pad(x, (0, pad)) if pad else x).contiguous()
 
 
+@eager_under_compile
 def fla_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
                   causal: bool) -> Tensor:
     """``o = ((q k^T) * M) v`` with LION's mask ``M`` (``lion_attention``'s), both directions on fla's kernels.

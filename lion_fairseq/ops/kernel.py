@@ -78,6 +78,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .compiling import eager_under_compile
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 128
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -1105,6 +1107,7 @@ def cuts_into_segments(q: Tensor, v: Tensor, chunk_size: int = 64) -> bool:
     return _Config(q, v, chunk_size, None).nseg > 1
 
 
+@eager_under_compile
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], log_a_bwd: Optional[Tensor],
                      causal: bool, normalize: bool, key_padding_mask: Optional[Tensor], eps: float,
                      chunk_size: int = 64, segment_chunks: Optional[int] = None) -> Tensor:
