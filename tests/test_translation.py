@@ -76,6 +76,15 @@ def test_beam_search_scores_equal_the_teacher_forced_pass(mt_data, variant, cros
                                            atol=1e-4, rtol=1e-4)
 
 
+def test_decoder_keeps_no_target_by_target_mask(mt_data):
+    """fairseq's decoder builds a T x T causal mask for its self-attention and keeps the largest (34 MB at
+    3000 target tokens); LION's self-attention is causal by construction, and none is built."""
+    task, model = build(mt_data, "s", "softmax")
+    sample = batch(task)
+    model(**sample["net_input"])[0].sum().backward()
+    assert model.decoder._future_mask.numel() == 0
+
+
 def test_decoder_self_attention_leaves_left_padding_out():
     """fairseq's decoder passes its self-attention the targets' padding mask: with --left-pad-target the pads
     come first, and the real tokens' outputs are those of the sequence without them."""

@@ -131,6 +131,11 @@ class LionTransformerDecoder(TransformerDecoderBase):
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return checkpointed(LionTransformerDecoderLayer(cfg, no_encoder_attn), cfg)
 
+    def buffered_future_mask(self, tensor: Tensor) -> None:
+        # fairseq's T x T causal mask, built and kept for the longest target so far (34 MB at 3000 tokens), is
+        # ignored by LION's self-attention, causal by construction
+        return None
+
 
 @register_model("lion_transformer", dataclass=LionTransformerConfig)
 class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
