@@ -4,6 +4,8 @@ its models, tasks and criterions with fairseq; ``lion_fairseq.ops`` is the pure-
 Without fairseq the import warns what to install and registers nothing, so that the operator still serves
 a PyTorch model of one's own; the hub classes then raise that message. A fairseq older than 0.12 is
 refused: there the plugin is being used, with a fairseq it does not run on."""
+import logging
+import sys
 import warnings
 from typing import Optional
 
@@ -14,10 +16,28 @@ INSTALL = ("On Python 3.11 install the rebuild without its torchaudio pin:\n"
            "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)")
 
 
+def _import_fairseq():
+    """``import fairseq``, leaving Python's logging as it was. Two of fairseq's modules call
+    ``logging.basicConfig`` as they are imported, one at DEBUG: in a Python session (fairseq's commands set
+    logging up first) every library's debug lines then printed. basicConfig leaves a root logger that has a
+    handler alone, so one stands in while fairseq is imported."""
+    root = logging.getLogger()
+    if "fairseq" in sys.modules or root.handlers:
+        import fairseq
+        return fairseq
+    placeholder = logging.NullHandler()
+    root.addHandler(placeholder)
+    try:
+        import fairseq
+        return fairseq
+    finally:
+        root.removeHandler(placeholder)
+
+
 def _missing_fairseq() -> Optional[str]:
     """Why fairseq is not there, with what to install; None where it is (raises where it is too old)."""
     try:
-        import fairseq
+        fairseq = _import_fairseq()
     except ImportError as e:
         return f"lion_fairseq's models need fairseq ({e}); its operator, lion_fairseq.ops, does not. {INSTALL}"
     version = tuple(int(x) for x in fairseq.__version__.split(".")[:2] if x.isdigit())

@@ -359,6 +359,24 @@ def test_a_second_derivative_raises_where_a_form_cannot_give_it():
             v.grad = None
 
 
+def test_torch_func_transforms_run_where_the_readme_says():
+    """``torch.func.grad`` and ``vmap`` in the parallel and recurrent forms (the README's word) give
+    autograd's gradient and the unbatched values; the chunk form's autograd.Function refuses them."""
+    q, k, v, f, b = make_inputs(2 * C, "token")
+    for form in FORMS:
+        def loss(q, form=form):
+            return lion_attention(q, k, v, f, b, form=form, chunk_size=C).pow(2).sum()
+
+        if form == "chunk":
+            with pytest.raises(RuntimeError, match="setup_context"):
+                torch.func.grad(loss)(q)
+            continue
+        q1 = q.clone().requires_grad_()
+        torch.testing.assert_close(torch.func.grad(loss)(q), torch.autograd.grad(loss(q1), q1)[0])
+        one = lambda *x: lion_attention(*(t[None] for t in x), form=form)[0]  # noqa: E731
+        torch.testing.assert_close(torch.func.vmap(one)(q, k, v, f, b), lion_attention(q, k, v, f, b, form=form))
+
+
 def test_long_sequence_strong_decay_stays_finite_and_forms_agree():
     L = 16384
     g = torch.Generator().manual_seed(0)
@@ -699,3 +717,25 @@ def test_operator_runs_without_fairseq():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_importing_the_plugin_leaves_pythons_logging_as_it_was():
+    """``import lion_fairseq`` (``lion_fairseq.ops`` too) imports fairseq where it is installed, two of whose
+    modules call ``logging.basicConfig``, one at DEBUG: every library's debug lines then printed in the
+    user's Python session. The root logger is left as it was; logging a user set up first stays theirs."""
+    code = """if True:
+        import logging, sys
+        if sys.argv[1] == "configured":
+            logging.basicConfig(level=logging.INFO, format="mine: %(message)s")
+        before = (logging.getLogger().level, list(logging.getLogger().handlers))
+        from lion_fairseq.ops import lion_attention
+        assert "fairseq" in sys.modules
+        assert (logging.getLogger().level, logging.getLogger().handlers) == before
+        logging.getLogger("some.library").debug("a library's debug line")
+        logging.getLogger("some.library").info("a library's info line")
+    """
+    for setup, printed in (("unconfigured", []), ("configured", ["mine: a library's info line"])):
+        proc = subprocess.run([sys.executable, "-c", code, setup], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [line for line in proc.stderr.splitlines() if "a library's" in line] == printed, proc.stderr[-3000:]
