@@ -117,7 +117,9 @@ def test_layers_put_their_norms_and_activation_where_fairseq_does(kind, normaliz
     if kind == "encoder":
         layer = LionEncoderLayer(C, H, 32, attention, activation_fn=activation, normalize_before=normalize_before)
     else:
-        layer = LionDecoderLayer(C, 32, H, attention, activation_fn=activation, normalize_before=normalize_before)
+        layer = LionDecoderLayer(C, H, 32, attention, activation_fn=activation, normalize_before=normalize_before)
+    # both layers take (width, heads, FFN width), LionAttention's order: the decoder's once swapped the last two
+    assert (layer.self_attn.num_heads, layer.fc1.out_features) == (H, 32)
     layer = layer.double().eval()
     with torch.no_grad():  # norms that are not the identity, so that a missing one shows
         for norm in (layer.self_attn_layer_norm, layer.final_layer_norm):
@@ -155,7 +157,7 @@ def test_layers_put_their_dropout_where_fairseq_does(kind, normalize_before):
     if kind == "encoder":
         layer = LionEncoderLayer(C, H, 32, attention, normalize_before=normalize_before, **drops)
     else:
-        layer = LionDecoderLayer(C, 32, H, attention, normalize_before=normalize_before, **drops)
+        layer = LionDecoderLayer(C, H, 32, attention, normalize_before=normalize_before, **drops)
     layer = layer.double().train()
     x = torch.randn(T, B, C, dtype=torch.double)
     ln1, ln2, attn, drop = layer.self_attn_layer_norm, layer.final_layer_norm, layer.self_attn, layer.dropout_module

@@ -234,7 +234,7 @@ def layers():
         for form in ("parallel", "chunk", "recurrent"):
             attention = dict(variant=variant, form=form, chunk_size=8)
             yield f"encoder-{variant}-{form}", LionEncoderLayer(32, 2, 64, attention, attention_dropout=0.1)
-            yield f"decoder-{variant}-{form}", LionDecoderLayer(32, 64, 2, attention)
+            yield f"decoder-{variant}-{form}", LionDecoderLayer(32, 2, 64, attention)
             yield f"two-scan-{variant}-{form}", LionTwoScanAttention(32, 2, variant, form=form, chunk_size=8,
                                                                    height=4, width=5)
 

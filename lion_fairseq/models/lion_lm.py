@@ -111,7 +111,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         self.layernorm_embedding = LayerNorm(dim) if getattr(cfg, "layernorm_embedding", False) else None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         layers = [checkpointed(
-            LionDecoderLayer(dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads, attention_kwargs,
+            LionDecoderLayer(dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, attention_kwargs,
                              dropout=cfg.dropout, activation_dropout=cfg.activation_dropout,
                              activation_fn=str(cfg.activation_fn), normalize_before=cfg.decoder_normalize_before),
             cfg) for _ in range(cfg.decoder_layers)]

@@ -17,12 +17,12 @@ class LionDecoderLayer(nn.Module):
     ``LN(x + Drop(FFN(x)))``, fairseq's ``TransformerDecoderLayer`` without ``--decoder-normalize-before``.
     Submodule names are fairseq's, so a softmax decoder layer's weights load as they are.
 
-    embed_dim / ffn_embed_dim / num_heads: widths; attention_kwargs: keyword arguments of
-    ``LionAttention`` (variant, form, chunk_size, feature_map, normalize, norm_after); the layer always
+    embed_dim, num_heads, ffn_embed_dim: in ``LionEncoderLayer``'s order; attention_kwargs: keyword arguments
+    of ``LionAttention`` (variant, form, chunk_size, feature_map, normalize, norm_after); the layer always
     builds it causal.
     """
 
-    def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, attention_kwargs: Dict[str, Any], *,
+    def __init__(self, embed_dim: int, num_heads: int, ffn_embed_dim: int, attention_kwargs: Dict[str, Any], *,
                  dropout: float = 0.1, activation_dropout: float = 0.0, activation_fn: str = "gelu",
                  normalize_before: bool = True):
         super().__init__()
