@@ -19,21 +19,30 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool
     """
     B, H, L, Dk = k.shape
     S = q.new_zeros(B, H, Dk, v.shape[-1])
-    gate = log_a.exp() if log_a is not None else None
-    # written in place: a list of small per-token outputs would pin the freed states between them
-    # in the allocator and grow memory by a state per token
-    out = q.new_empty(B, H, L, v.shape[-1])
+    # each token's rows taken apart once, in the shapes the loop multiplies: under autograd, a slice per token
+    # would get a full-length gradient in the backward, O(L^2) in all
+    qs, ks, vs = q.unsqueeze(3).unbind(2), k.unsqueeze(4).unbind(2), v.unsqueeze(3).unbind(2)
+    gates = log_a.exp()[..., None, None].unbind(2) if log_a is not None else None
     inplace = not torch.is_grad_enabled()
+    # without autograd, written in place: a list of small per-token outputs would pin the freed states between
+    # them in the allocator and grow memory by a state per token; with it, concatenated once (a write per
+    # token into one output would cost the backward what a slice does)
+    out = q.new_empty(B, H, L, v.shape[-1]) if inplace else None
+    ys = out.unsqueeze(3).unbind(2) if inplace else [None] * L
     for t in (range(L - 1, -1, -1) if reverse else range(L)):
-        if gate is not None:
-            S = S.mul_(gate[:, :, t, None, None]) if inplace else gate[:, :, t, None, None] * S
+        if gates is not None:
+            S = S.mul_(gates[t]) if inplace else gates[t] * S
         if strict:
-            out[:, :, t] = (q[:, :, t, None, :] @ S).squeeze(-2)
+            y = qs[t] @ S
         # in place, fused: no D x D temporary per token
-        S = S.addcmul_(k[:, :, t, :, None], v[:, :, t, None, :]) if inplace else S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        S = S.addcmul_(ks[t], vs[t]) if inplace else S + ks[t] * vs[t]
         if not strict:
-            out[:, :, t] = (q[:, :, t, None, :] @ S).squeeze(-2)
-    return out
+            y = qs[t] @ S
+        if inplace:
+            ys[t].copy_(y)
+        else:
+            ys[t] = y
+    return out if inplace else torch.cat(ys, 2)
 
 
 def recurrent_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
