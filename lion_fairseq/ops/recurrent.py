@@ -1,4 +1,5 @@
 """The recurrent form: two RNN scans with a ``Dk x Dv`` state per head, and the one-token step."""
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -19,30 +20,32 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool
     """
     B, H, L, Dk = k.shape
     S = q.new_zeros(B, H, Dk, v.shape[-1])
-    # each token's rows taken apart once, in the shapes the loop multiplies: under autograd, a slice per token
-    # would get a full-length gradient in the backward, O(L^2) in all
-    qs, ks, vs = q.unsqueeze(3).unbind(2), k.unsqueeze(4).unbind(2), v.unsqueeze(3).unbind(2)
-    gates = log_a.exp()[..., None, None].unbind(2) if log_a is not None else None
     inplace = not torch.is_grad_enabled()
+    # token t's rows, in the shapes the loop multiplies. Under autograd all at once (unbind): a slice per token
+    # would get a full-length gradient each in the backward, O(L^2) in all. Without it one view at a time:
+    # L views held at once cost about 0.5 KB each
+    rows = (lambda x: functools.partial(x.select, 2)) if inplace else (lambda x: x.unbind(2).__getitem__)
+    q_t, k_t, v_t = rows(q.unsqueeze(3)), rows(k.unsqueeze(4)), rows(v.unsqueeze(3))
+    gate_t = rows(log_a.exp()[..., None, None]) if log_a is not None else None
     # without autograd, written in place: a list of small per-token outputs would pin the freed states between
     # them in the allocator and grow memory by a state per token; with it, concatenated once (a write per
     # token into one output would cost the backward what a slice does)
-    out = q.new_empty(B, H, L, v.shape[-1]) if inplace else None
-    ys = out.unsqueeze(3).unbind(2) if inplace else [None] * L
+    out = q.new_empty(B, H, L, 1, v.shape[-1]) if inplace else None
+    ys = None if inplace else [None] * L
     for t in (range(L - 1, -1, -1) if reverse else range(L)):
-        if gates is not None:
-            S = S.mul_(gates[t]) if inplace else gates[t] * S
+        if gate_t is not None:
+            S = S.mul_(gate_t(t)) if inplace else gate_t(t) * S
         if strict:
-            y = qs[t] @ S
+            y = q_t(t) @ S
         # in place, fused: no D x D temporary per token
-        S = S.addcmul_(ks[t], vs[t]) if inplace else S + ks[t] * vs[t]
+        S = S.addcmul_(k_t(t), v_t(t)) if inplace else S + k_t(t) * v_t(t)
         if not strict:
-            y = qs[t] @ S
+            y = q_t(t) @ S
         if inplace:
-            ys[t].copy_(y)
+            out.select(2, t).copy_(y)
         else:
             ys[t] = y
-    return out if inplace else torch.cat(ys, 2)
+    return out.squeeze(3) if inplace else torch.cat(ys, 2)
 
 
 def recurrent_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor],
