@@ -16,16 +16,27 @@ INSTALL = ("On Python 3.11 install the rebuild without its torchaudio pin:\n"
            "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)")
 
 
+class _LastResort(logging.Handler):
+    """Python's fallback for a root logger without handlers (warnings and errors to stderr), as a handler."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.lastResort is not None:
+            logging.lastResort.emit(record)
+
+
 def _import_fairseq():
-    """``import fairseq``, leaving Python's logging as it was. Two of fairseq's modules call
+    """``import fairseq``, leaving Python's logging as it was. Three of fairseq's modules call
     ``logging.basicConfig`` as they are imported, one at DEBUG: in a Python session (fairseq's commands set
     logging up first) every library's debug lines then printed. basicConfig leaves a root logger that has a
-    handler alone, so one stands in while fairseq is imported."""
+    handler alone, so Python's own fallback stands in as one while fairseq is imported."""
     root = logging.getLogger()
     if "fairseq" in sys.modules or root.handlers:
         import fairseq
         return fairseq
-    placeholder = logging.NullHandler()
+    placeholder = _LastResort()
     root.addHandler(placeholder)
     try:
         import fairseq

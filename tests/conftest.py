@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # hypothesis keeps its caches in .hypothesis/ under the folder pytest runs in, the checkout: kept out of it
-os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "lion-fairseq-hypothesis"))
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(
+    tempfile.gettempdir(), f"lion-fairseq-hypothesis-{os.getuid() if hasattr(os, 'getuid') else 0}"))
 
 # Under pytest-xdist each worker gets its share of the cores, in process and in the fairseq commands it
 # starts. Two workers each starting 2-thread OpenMP on 2 cores made a tiny training 16x slower (each

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
+from .compiling import compiling
 from .float32 import accumulation_dtype, check_eps, check_float, float32_math
 from .gates import LOG_GATE_MIN, check_gate
 from .padding import checked_padding_mask, mask_padded_keys
@@ -114,7 +115,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     probe = v if v.dtype == common else v.new_empty(0, dtype=common)
     which = chunk_backend(backend, probe, (q.shape[-1], v.shape[-1]), fla_available, fla_unavailable) \
         if form == "chunk" else "torch"
-    _log_what_runs(form, chunk_size, which, v.device.type, v.dtype)
+    if not compiling():  # a log call would break TorchDynamo's graph
+        _log_what_runs(form, chunk_size, which, v.device.type, v.dtype)
     if which == "triton":
         from .kernel import OutOfResources, does_not_fit, kernel_attention
 

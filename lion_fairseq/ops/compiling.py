@@ -10,7 +10,8 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """Whether TorchDynamo is tracing this call (a constant to it)."""
     is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
     if is_compiling is not None:
         return is_compiling()
@@ -24,6 +25,6 @@ def eager_under_compile(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        return torch.compiler.disable(fn)(*args, **kwargs) if _compiling() else fn(*args, **kwargs)
+        return torch.compiler.disable(fn)(*args, **kwargs) if compiling() else fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -20,14 +20,14 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool
     """
     B, H, L, Dk = k.shape
     S = q.new_zeros(B, H, Dk, v.shape[-1])
-    inplace = not torch.is_grad_enabled()
-    # token t's rows, in the shapes the loop multiplies. Under autograd all at once (unbind): a slice per token
+    inplace = not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_a)))
+    # token t's rows, in the shapes the loop multiplies. For a backward all at once (unbind): a slice per token
     # would get a full-length gradient each in the backward, O(L^2) in all. Without it one view at a time:
     # L views held at once cost about 0.5 KB each
     rows = (lambda x: functools.partial(x.select, 2)) if inplace else (lambda x: x.unbind(2).__getitem__)
     q_t, k_t, v_t = rows(q.unsqueeze(3)), rows(k.unsqueeze(4)), rows(v.unsqueeze(3))
     gate_t = rows(log_a.exp()[..., None, None]) if log_a is not None else None
-    # without autograd, written in place: a list of small per-token outputs would pin the freed states between
+    # without a backward, written in place: a list of small per-token outputs would pin the freed states between
     # them in the allocator and grow memory by a state per token; with it, concatenated once (a write per
     # token into one output would cost the backward what a slice does)
     out = q.new_empty(B, H, L, 1, v.shape[-1]) if inplace else None
