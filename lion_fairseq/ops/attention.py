@@ -10,7 +10,7 @@ from torch import Tensor
 from .backend import BACKENDS, chunk_backend, fall_back_from_triton
 from .chunk import chunk_attention
 from .compiling import compiling
-from .float32 import accumulation_dtype, check_eps, check_float, float32_math
+from .float32 import accumulation_dtype, check_eps, check_float, float32_math, needs_grad
 from .gates import LOG_GATE_MIN, check_gate
 from .padding import checked_padding_mask, mask_padded_keys
 from .fla import fla_attention, fla_available, fla_unavailable
@@ -127,12 +127,10 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
             return y.to(out_dtype)
         except OutOfResources as e:  # known only as Triton loads the kernel onto this GPU, before it runs
             which = fall_back_from_triton(probe, does_not_fit(probe, (q.shape[-1], v.shape[-1]), e), fla_available)
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
     use_fla = which == "fla"
     # bfloat16 products only where they pay and nothing is trained through them
-    low = (matmul_dtype == torch.bfloat16 and form == "chunk" and not use_fla and not needs_grad
-           and dtype == torch.float32)
+    low = (matmul_dtype == torch.bfloat16 and form == "chunk" and not use_fla and dtype == torch.float32
+           and not needs_grad(q, k, v, log_a_fwd, log_a_bwd))
     mm = torch.bfloat16 if low else dtype
     q, k, v = q.to(mm), k.to(mm), v.to(mm)
     k, v = mask_padded_keys(k, v, key_padding_mask)

@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from .backend import version_numbers
 from .compiling import eager_under_compile
+from .float32 import needs_grad
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the normaliser's column of ones makes Dv odd (65 for D = 64): zero columns up to a multiple of 8 keep
@@ -168,8 +169,7 @@ def _gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]) -> Tensor:
     ``(B, L, H, Dk)``, v ``(B, L, H, Dv)`` contiguous, one dtype; g ``(B, L, H)`` float32 or None (no decay).
     Returns ``(B, L, H, Dv)`` in v's dtype. Gated calls that need gradients where fla's own backward is
     refused take them from fla's forward kernel (``_GLAFromForwardKernels``)."""
-    if (g is not None and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g))
-            and fla_backward_refused(q)):
+    if g is not None and needs_grad(q, k, v, g) and fla_backward_refused(q):
         return _GLAFromForwardKernels.apply(q, k, v, g)
     return _kernel(q, k, v, g)
 

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import math
 import numbers
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -44,6 +44,12 @@ def autocast_enabled(device: str) -> bool:
     except TypeError:  # torch < 2.4 asks per device type
         return torch.is_autocast_enabled() if device == "cuda" else (
             device == "cpu" and torch.is_autocast_cpu_enabled())
+
+
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether a backward will run through any of ``tensors`` (None among them is fine): grad mode on and
+    one of them requiring its gradient."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 def accumulation_dtype(x: Tensor) -> torch.dtype:

@@ -79,6 +79,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .compiling import eager_under_compile
+from .float32 import needs_grad
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 128
@@ -1126,7 +1127,6 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor
         log_a_bwd = None
     # whether a backward will read y (only when normalised); inside forward, ctx.needs_input_grad says yes
     # under torch.no_grad too
-    keep = normalize and torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, log_a_fwd, log_a_bwd))
+    keep = normalize and needs_grad(q, k, v, log_a_fwd, log_a_bwd)
     return _LionKernel.apply(q, k, v, log_a_fwd, log_a_bwd, pad, causal, normalize, eps, chunk_size,
                              segment_chunks, keep)

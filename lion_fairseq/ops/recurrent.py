@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .float32 import accumulation_dtype, check_eps, check_float, float32_math
+from .float32 import accumulation_dtype, check_eps, check_float, float32_math, needs_grad
 from .gates import LOG_GATE_MIN, check_gate
 from .padding import checked_padding_mask, mask_padded_keys
 
@@ -20,7 +20,7 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, log_a: Optional[Tensor], strict: bool
     """
     B, H, L, Dk = k.shape
     S = q.new_zeros(B, H, Dk, v.shape[-1])
-    inplace = not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_a)))
+    inplace = not needs_grad(q, k, v, log_a)
     # token t's rows, in the shapes the loop multiplies. For a backward all at once (unbind): a slice per token
     # would get a full-length gradient each in the backward, O(L^2) in all. Without it one view at a time:
     # L views held at once cost about 0.5 KB each
