@@ -5,7 +5,6 @@ Without fairseq the import warns what to install and registers nothing, so that 
 a PyTorch model of one's own; the hub classes then raise that message. A fairseq older than 0.12 is
 refused: there the plugin is being used, with a fairseq it does not run on."""
 import logging
-import sys
 import warnings
 from typing import Optional
 
@@ -16,33 +15,21 @@ INSTALL = ("On Python 3.11 install the rebuild without its torchaudio pin:\n"
            "pip install -r requirements.txt\n(or run `bash run.sh test` in the checkout, which does all of it)")
 
 
-class _LastResort(logging.Handler):
-    """Python's fallback for a root logger without handlers (warnings and errors to stderr), as a handler."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if logging.lastResort is not None:
-            logging.lastResort.emit(record)
-
-
 def _import_fairseq():
     """``import fairseq``, leaving Python's logging as it was. Three of fairseq's modules call
     ``logging.basicConfig`` as they are imported, one at DEBUG: in a Python session (fairseq's commands set
     logging up first) every library's debug lines then printed. basicConfig leaves a root logger that has a
-    handler alone, so Python's own fallback stands in as one while fairseq is imported."""
+    handler alone, so Python's own fallback (warnings and errors to stderr) stands in as one meanwhile."""
     root = logging.getLogger()
-    if "fairseq" in sys.modules or root.handlers:
-        import fairseq
-        return fairseq
-    placeholder = _LastResort()
-    root.addHandler(placeholder)
+    stand_in = None if root.handlers else (logging.lastResort or logging.NullHandler())
+    if stand_in is not None:
+        root.addHandler(stand_in)
     try:
         import fairseq
         return fairseq
     finally:
-        root.removeHandler(placeholder)
+        if stand_in is not None:
+            root.removeHandler(stand_in)
 
 
 def _missing_fairseq() -> Optional[str]:
