@@ -266,9 +266,11 @@ def is_lion_config(model_cfg: Any) -> bool:
     """Whether a model config (a DictConfig, a Namespace or a checkpoint's plain dict) is a LION model's:
     its variant set, or, where an arch leaves it unset (fairseq-hydra-train's ``model._name: lion_lm``),
     its name one of LION's models or archs."""
+    if model_cfg is None:
+        return False
     get = model_cfg.get if isinstance(model_cfg, dict) else lambda key: getattr(model_cfg, key, None)
-    if model_cfg is None or get("lion_variant") is not None:
-        return model_cfg is not None
+    if get("lion_variant") is not None:
+        return True
     name = get("_name") or get("arch")
     return isinstance(name, str) and bool(_options_of(name))
 
@@ -899,11 +901,11 @@ def describe_weights(state_dict: Dict[str, torch.Tensor], lion: Optional[bool] =
     facts = _facts(state_dict)
     variant = {"s": "lion_s (a gate per token)", "d": "lion_d (one gate per head)"}.get(facts["variant"])
     if variant is None:
-        kinds = {None: "lion_lit (no gates) or a softmax Transformer", True: "lion_lit (no gates)"}
-        if lion is False:  # older layouts too (a released RoBERTa's combined in_proj)
-            variant = "a softmax Transformer" if any(".self_attn." in k for k in state_dict) else "not a LION model"
-        else:
-            variant = kinds[lion] if any(".self_attn.q_proj." in k for k in state_dict) else "not a LION model"
+        kinds = {None: "lion_lit (no gates) or a softmax Transformer", True: "lion_lit (no gates)",
+                 False: "a softmax Transformer"}
+        # a softmax model's older layouts too (a released RoBERTa's combined in_proj)
+        attention = ".self_attn." if lion is False else ".self_attn.q_proj."
+        variant = kinds[lion] if any(attention in k for k in state_dict) else "not a LION model"
     from .models.convert import _layers
 
     depth = {side: _layers(state_dict, side + ".") for side in ("encoder", "decoder")}  # a translation model's
