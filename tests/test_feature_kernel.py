@@ -58,6 +58,17 @@ def test_kernel_equals_float64_feature_map(D, layout):
 
 
 @needs_kernel
+def test_kernel_refuses_a_second_derivative():
+    """Asked for a graph of the gradient (``create_graph=True``), the kernel's backward raises rather than
+    return a gradient that silently misses its terms."""
+    from lion_fairseq.ops.feature_kernel import silu_norm_kernel
+
+    x = fairseq_heads(9, 2, 2, 32, torch.float32).requires_grad_()
+    with pytest.raises(RuntimeError, match="differentiate twice through the feature map's Triton kernel"):
+        torch.autograd.grad(silu_norm_kernel(x).sum(), x, create_graph=True)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_16bit_rounds_once(dtype):
     """16-bit inputs: float32 inside and one rounding of the result, so no further from float64 than that

@@ -158,6 +158,21 @@ def test_lion_attention_chunk_goes_through_fla_when_available(naive_fla, monkeyp
         assert (g.double() - rg).abs().max() <= 1e-4 * rg.abs().max() + 1e-6, name
 
 
+@pytest.mark.parametrize("gated_backward", ["fla", "forward kernels"], indirect=True)
+def test_a_second_derivative_through_fla_raises(naive_fla, monkeypatch, gated_backward):
+    """fla's backward gives no graph of itself: asked for one (``create_graph=True``, a gradient penalty),
+    the chunk form on fla raises, where fla alone would return gradients that miss its terms. (The naive
+    twin here is differentiable, so it is the guard that raises.) A first derivative runs."""
+    monkeypatch.setattr(attention_mod, "fla_available", lambda x: True)
+    q, k, v, f, b = (x.requires_grad_() for x in make_inputs(9, "token", dtype=torch.float32))
+    y = lion_attention(q, k, v, f, b, form="chunk")
+    assert naive_fla
+    with pytest.raises(RuntimeError, match="differentiate twice through flash-linear-attention's kernels"):
+        torch.autograd.grad(y.sum(), q, create_graph=True, retain_graph=True)
+    (gq,) = torch.autograd.grad(y.sum(), q)
+    assert torch.isfinite(gq).all() and gq.abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_inputs_reach_fla_in_float32(naive_fla, monkeypatch, dtype):
     """bf16/fp16 inputs reach the kernel in float32 (fla would return, and store its states, in the input

@@ -343,20 +343,25 @@ def test_eps_enters_as_defined_and_zero_is_finite(causal, eps):
         assert rel_err(torch.stack(ys, 2), ref) < 1e-5
 
 
-def test_a_second_derivative_raises_where_a_form_cannot_give_it():
-    """The chunk form's backward is its own code, not differentiable: a second derivative raises rather
-    than silently missing the terms through it; the parallel form gives it."""
+@pytest.mark.parametrize("loss", ["sum", "square"])
+def test_a_second_derivative_raises_where_a_form_cannot_give_it(loss):
+    """The chunk form's backward is its own code, not differentiable: asked for a graph of the gradient
+    (a gradient penalty), it raises, rather than return a gradient that silently misses its terms. From
+    ``y.sum()`` the incoming gradient needs none, where ``once_differentiable`` alone let it through. The
+    parallel and recurrent forms give the second derivative, and agree."""
     q, k, v, f, b = (x.requires_grad_() for x in make_inputs(2 * C, "token"))
+    penalties = {}
     for form in FORMS:
         y = lion_attention(q, k, v, f, b, form=form, chunk_size=C)
-        (gq,) = torch.autograd.grad(y.pow(2).sum(), q, create_graph=True)
+        objective = y.sum() if loss == "sum" else y.pow(2).sum()
         if form == "chunk":
-            with pytest.raises(RuntimeError, match="differentiate twice"):
-                gq.pow(2).sum().backward()
-        else:
-            gq.pow(2).sum().backward()
-            assert torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0, form
-            v.grad = None
+            with pytest.raises(RuntimeError, match="differentiate twice through the chunk form.*form='parallel'"):
+                torch.autograd.grad(objective, q, create_graph=True)
+            continue
+        (gq,) = torch.autograd.grad(objective, q, create_graph=True)
+        penalties[form] = torch.autograd.grad(gq.pow(2).sum(), k)[0]
+        assert torch.isfinite(penalties[form]).all() and penalties[form].abs().sum() > 0, form
+    assert rel_err(penalties["recurrent"], penalties["parallel"]) < 1e-6
 
 
 def test_torch_func_transforms_run_where_the_readme_says():

@@ -19,9 +19,9 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .compiling import eager_under_compile
+from .first_derivatives import first_derivatives_only
 from .float32 import accumulation_dtype
 from .workspace import workspace
 
@@ -302,7 +302,7 @@ class _ChunkAttention(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
+    @first_derivatives_only("the chunk form")
     def backward(ctx, dy):
         q, k, v, log_f, log_b, y, den, E, Z, As, Ws = ctx.saved_tensors
         normalize, eps = ctx.normalize, ctx.eps

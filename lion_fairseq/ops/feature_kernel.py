@@ -13,12 +13,12 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 import triton
 import triton.language as tl
 
 from .compiling import eager_under_compile
+from .first_derivatives import first_derivatives_only
 from .kernel import launching_on
 
 ELEMENTS = 2048  # rows per program: as many as make about this many elements (4096 spilled on sm_90)
@@ -89,7 +89,7 @@ class _SiluNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
+    @first_derivatives_only("the feature map's Triton kernel", "run without LION_BACKEND=triton")
     def backward(ctx, dy: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         if dy.stride() != x.stride():  # rows must pair up with x's in memory order

@@ -24,10 +24,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .backend import version_numbers
 from .compiling import eager_under_compile
+from .first_derivatives import first_derivatives_only, guard_first_derivatives
 from .float32 import needs_grad
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,7 +149,7 @@ class _GLAFromForwardKernels(torch.autograd.Function):
         return _kernel(q, k, v, g)
 
     @staticmethod
-    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
+    @first_derivatives_only("flash-linear-attention's kernels (the chunk form)")
     def backward(ctx, do: Tensor):
         q, k, v, g = ctx.saved_tensors
         do = do.to(v.dtype).contiguous()
@@ -189,7 +189,7 @@ def fla_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], 
     q, k: ``(B, H, L, Dk)``; v: ``(B, H, L, Dv)`` (the normaliser as its last column if wanted), all in one
     dtype of ``FLA_DTYPES`` (``lion_attention`` passes float32, see the module's docstring); log-gates
     ``(B, H, L)`` ``<= 0`` or None (gate 1). Returns ``(B, H, L, Dv)`` in float32 (or the inputs' wider
-    dtype), the two directions summed in that precision. Differentiable in every tensor input."""
+    dtype), the two directions summed in that precision. Differentiable in every tensor input, once."""
     Dv = v.shape[-1]
     acc = torch.promote_types(v.dtype, torch.float32)
     q, k, v = (_to_fla_layout(x) for x in (q, k, v))  # everything below is (B, L, H, ...)
@@ -212,4 +212,8 @@ def fla_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor], 
             k_next = (k_next.to(acc) * b.exp()[..., None]).to(k.dtype)
         back = _gla(q.flip(1), k_next.flip(1), v_next.flip(1), b.flip(1) if b is not None else None)
         out = out + back.flip(1).to(acc)
-    return out.transpose(1, 2)[..., :Dv]
+    out = out.transpose(1, 2)[..., :Dv]
+    if not out.requires_grad:
+        return out
+    # fla's own backward gives no graph of itself under create_graph=True: a gradient of out meets this first
+    return guard_first_derivatives(out, "flash-linear-attention's kernels (the chunk form)")

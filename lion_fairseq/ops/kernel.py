@@ -72,13 +72,13 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .compiling import eager_under_compile
+from .first_derivatives import first_derivatives_only
 from .float32 import needs_grad
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1041,7 +1041,7 @@ class _LionKernel(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # its backward is not differentiable: a second derivative raises, not misses terms
+    @first_derivatives_only("LION's Triton kernel (the chunk form)")
     def backward(ctx, dy):
         q, k, v, f, b, pad, y, y_lo, den, *total = ctx.saved_tensors
         dy = _addressable(dy)
