@@ -17,11 +17,13 @@ of the teacher's dictionaries (default: the checkpoint's own folder, as in fairs
 Any other fairseq option of the arch may follow (``--lion-*``, ...)."""
 import argparse
 import dataclasses
+import logging
 import os
 import re
 import shlex
 import string
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -158,9 +160,11 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
     target = TARGETS[kind]
     trained_arch, teacher = trained_model(config)
     if teacher in TARGETS:  # a LION checkpoint already: fairseq-train starts from it as it is
+        other = (f"; for --arch {arch}, convert the softmax checkpoint it started from" if arch != trained_arch
+                 else "")  # another variant's or size's weights, which fairseq-train would refuse
         raise ValueError(f"the checkpoint is already a LION model ({teacher}, --arch {trained_arch}): nothing to "
-                         "convert. Start from it with fairseq-train --finetune-from-model (or --restore-file with "
-                         "the --reset-* options), or load it with the hub")
+                         f"convert. Start from it with fairseq-train --arch {trained_arch} --finetune-from-model "
+                         f"(or --restore-file with the --reset-* options), or load it with the hub{other}")
     if teacher is not None and teacher != target.teacher:
         starts = {t.teacher: name for name, t in TARGETS.items()}
         hint = (f"a {starts[teacher]} arch" if teacher in starts
@@ -184,6 +188,31 @@ def classifier_target(target: Target, state: Dict, config: Dict[str, Any]) -> Ta
                       str(config.get("num_classes")), *(("--regression-target",) if regression else ())),
         criterion="SentencePredictionCriterion", values=dict(target.values, max_positions=("--max-positions",)),
         dictionaries=("input0/dict.txt",) + (() if regression else ("label/dict.txt",)))
+
+
+def teacher_task_settings(state: Dict, target: Target, extra: List[str]) -> Dict[str, Any]:
+    """How the teacher read its data (``--init-token``, ``--separator-token``, ``--shorten-method``,
+    ``--sample-break-mode``, ...), where it was trained under the task the LION model is built with: the
+    evaluation tools and the hubs read them from the converted file. Leaves out the data path, the sizes
+    ``teacher_flags`` gives, what the task takes from other groups (``seed``) and what ``extra`` sets."""
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
+
+    name = target.task[1]
+    legacy = state.get("args")
+    task = vars(legacy) if legacy is not None else dict((state.get("cfg") or {}).get("task") or {})
+    trained_as = task.get("task") if legacy is not None else task.get("_name")
+    if trained_as != name or name not in TASK_DATACLASS_REGISTRY:
+        return {}
+    sized = {option for options in target.values.values() for option in options}
+    settings = {}
+    for field in dataclasses.fields(TASK_DATACLASS_REGISTRY[name]):
+        option = "--" + field.name.replace("_", "-")
+        interpolated = isinstance(field.default, str) and field.default.startswith("${")
+        given = any(e == option or e.startswith(option + "=") for e in extra)
+        if field.name in task and field.name not in ("_name", "data") and not interpolated and not given \
+                and option not in sized:
+            settings[field.name] = task[field.name]
+    return settings
 
 
 LANGUAGE_SHORT = {"source_lang": ("-s",), "target_lang": ("-t",)}  # fairseq's short spellings
@@ -243,9 +272,12 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
             data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch, *flags, *extra])
 
     ns = parsed(teacher_flags(config, target, extra))
+    vars(ns).update(teacher_task_settings(state, target, extra))
     plain = parsed([])
     differing = {key: value for key, value in config.items() if getattr(ns, key, None) != getattr(plain, key, None)}
-    cfg = convert_namespace_to_omegaconf(ns)
+    with warnings.catch_warnings():  # hydra's deprecation notices about fairseq's own use of it
+        warnings.simplefilter("ignore", UserWarning)
+        cfg = convert_namespace_to_omegaconf(ns)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     try:
@@ -272,6 +304,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--arch", required=True, help="the LION arch, e.g. lion_s, lion_d_lm, lion_lit_transformer")
     p.add_argument("--data", help="folder of the teacher's dictionaries (default: the checkpoint's folder)")
     args, extra = p.parse_known_args(argv)
+    # what the conversion dropped, added and took from the options is logged (models/convert.py), as under
+    # fairseq-train; fairseq's own commands set logging up the same way
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+                        level=logging.INFO, stream=sys.stderr)
     try:
         model, flags = convert(args.checkpoint, args.out, args.arch, args.data, extra)
     except (ValueError, FileNotFoundError, CheckpointError) as e:

@@ -43,7 +43,9 @@ def roberta(text_data_bin, tmp_path_factory):
 
 def test_convert_a_fine_tuned_roberta_classifier(roberta, labelled_data_bin, tmp_path):
     """A RoBERTa fine-tuned with --task sentence_prediction (a GLUE model) converts under that task: its
-    data folder has input0/ and label/ dictionaries, and its classification head comes with it."""
+    data folder has input0/ and label/ dictionaries, and its classification head comes with it. The file
+    keeps how the teacher read its data (``<s>`` first, the separator, truncation), which fairseq-validate
+    and the hubs take from it: without them the head would read the first word instead of ``<s>``."""
     from lion_fairseq.convert import main
     from lion_fairseq.models.lion_encoder import LionRobertaModel
 
@@ -51,13 +53,18 @@ def test_convert_a_fine_tuned_roberta_classifier(roberta, labelled_data_bin, tmp
     # --user-dir: RoBERTa's checkpoint holds an argparse.Namespace, which the plugin allows torch to load
     fairseq_cli("train", str(data), "--user-dir", USER_DIR, *TRAIN[:TRAIN.index("--criterion")], "--task",
                 "sentence_prediction", "--criterion", "sentence_prediction", "--arch", "roberta_base", *SIZE,
-                "--num-classes", "2", "--max-positions", "32", "--init-token", "0", "--batch-size", "8",
+                "--num-classes", "2", "--max-positions", "32", "--init-token", "0", "--separator-token", "2",
+                "--shorten-method", "truncate", "--batch-size", "8",
                 "--restore-file", str(roberta), "--reset-optimizer", "--reset-dataloader", "--reset-meters",
                 "--max-update", "4", "--disable-validation", "--no-epoch-checkpoints", "--save-dir",
                 str(tmp_path / "cls"))
     teacher = tmp_path / "cls" / "checkpoint_last.pt"
     out = tmp_path / "lion_cls.pt"
     assert main([str(teacher), str(out), "--arch", "lion_s_tiny", "--data", str(data)]) == 0
+    task = torch.load(out, weights_only=False)["cfg"]["task"]
+    teacher_task = torch.load(teacher, weights_only=False)["cfg"]["task"]
+    assert task["init_token"] == 0 and task["separator_token"] == 2 and task["shorten_method"] == "truncate"
+    assert {k: v for k, v in task.items() if k != "data"} == {k: v for k, v in teacher_task.items() if k != "data"}
     hub = LionRobertaModel.from_pretrained(str(tmp_path), out.name, str(data))
     head = "classification_heads.sentence_classification_head.out_proj.weight"
     assert torch.equal(hub.model.state_dict()[head], state_of(teacher)[head])
@@ -215,6 +222,10 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "wrote" in run.stdout and out.exists()
+    # what it dropped, added and took from the options is logged, as under fairseq-train
+    assert "lion: added what LION has and the checkpoint lacks" in run.stderr, run.stderr[-2000:]
+    assert "lion: not in the weights, so taken from this model's options" in run.stderr
+    assert "Warning" not in run.stderr, run.stderr[-2000:]  # hydra's deprecation notices about fairseq
     from lion_fairseq.models.lion_encoder import LionRobertaModel
 
     # the hub call it prints loads the file from anywhere: its folder is absolute
@@ -237,7 +248,12 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
     from lion_fairseq import convert
 
     assert convert.main([str(out), str(tmp_path / "again.pt"), "--arch", "lion_d_tiny"]) == 2
-    assert "already a LION model (lion_roberta, --arch lion_d_tiny): nothing to convert" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already a LION model (lion_roberta, --arch lion_d_tiny): nothing to convert" in err
+    assert "fairseq-train --arch lion_d_tiny --finetune-from-model" in err and "softmax checkpoint" not in err
+    # asked for another variant: fairseq-train would refuse the file, so the advice is the teacher
+    assert convert.main([str(out), str(tmp_path / "again.pt"), "--arch", "lion_s_tiny"]) == 2
+    assert "for --arch lion_s_tiny, convert the softmax checkpoint it started from" in capsys.readouterr().err
 
 
 def test_convert_refuses_an_output_path_it_cannot_write_before_converting(roberta, capsys, tmp_path):
