@@ -956,9 +956,14 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
                 "checkpoint was trained at)")
     if a["positions"] != b["positions"]:
         if a["positions"] is None or b["positions"] is None:
-            has = lambda n: f"{n} learned positions" if n else "no positions"  # noqa: E731
+            # a translation model without learned ones has fairseq's sinusoidal positions (or none)
+            translation = any(k.startswith("encoder.layers.") for k in model) and stack == "decoder"
+            none = "no learned positions" if translation else "no positions"
+            has = lambda n: f"{n} learned positions" if n else none  # noqa: E731
+            fairseqs = (" (fairseq's --encoder-learned-pos --decoder-learned-pos)" if translation and a["positions"]
+                        else "")
             return (f"positions: the checkpoint has {has(a['positions'])} and the model {has(b['positions'])}; "
-                    f"pass --lion-positions {'learned' if a['positions'] else 'none'}")
+                    f"pass --lion-positions {'learned' if a['positions'] else 'none'}{fairseqs}")
         n = a["positions"]
         # masked_lm sizes the encoder's positions by --tokens-per-sample: --max-positions alone would leave its
         # samples longer than the positions, every one skipped, and the run stopping on an empty dataset

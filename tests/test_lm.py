@@ -297,8 +297,12 @@ def test_options_and_errors(text_data_bin):
     attn = model.decoder.layers[0].self_attn
     assert not attn.normalize and attn.head_norm is not None and attn.variant == "lit"
     assert model.max_positions() == 64 and model.decoder.embed_positions is not None
-    with pytest.raises(ValueError, match="learned positions"):
+    # one too many, as --add-bos-token makes a 64-token sample: the message names the size that fits it
+    with pytest.raises(ValueError, match="65 tokens exceeds the 64 learned positions.*--max-target-positions 65 "
+                                         r"or more \(--add-bos-token"):
         model(torch.full((1, 65), 5))
+    _, model = build(text_data_bin, "--arch", "lion_lit_lm_tiny", "--add-bos-token", "--max-target-positions", "65")
+    assert model.max_positions() == 65 and torch.isfinite(model(torch.full((1, 65), 5))[0]).all()
     with pytest.raises(ValueError, match="--no-lion-normalize"):
         build(text_data_bin, "--arch", "lion_d_lm_tiny", "--lion-feature-map", "identity")
     # --lion-positions overrides the variant's default either way

@@ -386,3 +386,17 @@ def test_eval_lm_on_a_translation_checkpoint_names_what_scores_it(mt_data, train
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "holds a lion_transformer model (--arch lion_s_transformer_tiny)" in last, last
     assert "fairseq-generate" in last
+
+
+def test_learned_positions_a_model_lacks_are_named_with_the_options_that_give_them(mt_data):
+    """A LION-LIT translation checkpoint with learned positions (or a softmax teacher's: LION-LIT's tensors
+    are the same) loaded into a model with fairseq's sinusoidal ones: refused naming them as not learned,
+    with the options that build them."""
+    learned = build(mt_data, "lit", "softmax", "--encoder-learned-pos", "--decoder-learned-pos")[1].state_dict()
+    model = build(mt_data, "lit", "softmax")[1]
+    with pytest.raises(RuntimeError, match=r"the checkpoint has \d+ learned positions and the model no learned "
+                                           r"positions; pass --lion-positions learned \(fairseq's "
+                                           r"--encoder-learned-pos --decoder-learned-pos\)"):
+        model.load_state_dict(learned)
+    for fix in (["--lion-positions", "learned"], ["--encoder-learned-pos", "--decoder-learned-pos"]):
+        build(mt_data, "lit", "softmax", *fix)[1].load_state_dict(learned)

@@ -199,7 +199,9 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         real = (~pad).long()
         positions = (seen[:, None] + real.cumsum(1)) * real + self.padding_idx
         longest = int(positions.max()) - self.padding_idx if positions.numel() else 0
-        check_learned_positions(longest, self.max_target_positions, shorter="shorter inputs",
+        check_learned_positions(longest, self.max_target_positions,
+                                shorter=f"shorter inputs, or train with --max-target-positions {longest} or more "
+                                        "(--add-bos-token makes each sample one token longer than --tokens-per-sample)",
                                 set_by="--max-target-positions / --tokens-per-sample")
         return positions
 
