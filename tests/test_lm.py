@@ -547,6 +547,8 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*learned positions")
         hub.generate(hub.encode(" ".join(words[:40])), beam=1, max_len_b=5)
+        # fairseq's default max_len_b (200), not asked for, stops at the positions unsaid, as transformer_lm does
+        assert len(hub.sample(" ".join(words[:40]), beam=1).split()) <= 63
 
 
 def test_max_target_positions_bounds_lion_s_as_it_does_transformer_lm(trained, text_data_bin):
@@ -656,12 +658,31 @@ def test_generation_keyword_that_is_no_option_is_refused(trained, text_data_bin)
         hub.sample("the value", beem=2, max_len_b=4)
     with pytest.raises(ValueError, match=r"'seed' \(not a generation option\).*torch\.manual_seed"):
         hub.sample("the value", sampling=True, seed=7, max_len_b=4)
+    # the model's options are from_pretrained's
+    with pytest.raises(ValueError, match=r"'lion_form' \(a model option: pass it to from_pretrained"):
+        hub.sample("the value", lion_form="recurrent", max_len_b=4)
     torch.manual_seed(0)
     assert hub.sample("the value", sampling=True, temperature=0.5, sampling_topk=5, max_len_b=4)
     # fairseq's own hub keyword for the generation config is no misspelling of it
     hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin),
                                             generation_args={"beam": 2})
     assert hub.cfg.generation.beam == 2
+
+
+def test_hub_takes_texts_longer_than_the_training_max_tokens(trained, text_data_bin):
+    """The training run's --max-tokens, kept in the checkpoint, sizes the hub's batches; fairseq stopped on a
+    text longer than it (``Sentences lengths should not exceed max_tokens``), though LION-S takes any length.
+    The scores are those with room to spare, and the checkpoint's setting is left as it was."""
+    from lion_fairseq import LionLanguageModel
+
+    ckpt, _ = trained
+    hub = LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin)).eval()
+    text = " ".join(Path(text_data_bin).parent.joinpath("train.txt").read_text().split()[:30])
+    want = hub.score(text)["positional_scores"]
+    hub.cfg.dataset.max_tokens = 8  # as a run trained with --max-tokens 8 keeps it
+    assert torch.allclose(hub.score(text)["positional_scores"], want, atol=1e-5)
+    assert len(hub.sample(text, beam=1, max_len_b=3).split()) > 30
+    assert hub.cfg.dataset.max_tokens == 8
 
 
 def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_data_bin):

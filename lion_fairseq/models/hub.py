@@ -11,7 +11,7 @@ import os
 import re
 import warnings
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 from fairseq.hub_utils import GeneratorHubInterface
@@ -59,7 +59,11 @@ def generation_keywords_message(unknown: Iterable[str], known: Iterable[str]) ->
     named = []
     for key in sorted(unknown):
         near = difflib.get_close_matches(key, known, n=1, cutoff=0.7)  # 0.7: 'beem' finds 'beam' (0.75)
-        named.append(f"{key!r} ({'did you mean ' + repr(near[0]) if near else 'not a generation option'})")
+        if key.startswith("lion_"):  # a model option: the model is built with it, not the generator
+            why = "a model option: pass it to from_pretrained (lion_form and lion_chunk_size switch on a trained model)"
+        else:
+            why = "did you mean " + repr(near[0]) if near else "not a generation option"
+        named.append(f"{key!r} ({why})")
     seed = " (sampling repeats under torch.manual_seed)" if "seed" in unknown else ""
     return (f"{', '.join(named)}: fairseq would set it on the generation config, where nothing reads it, and "
             f"generate as if it were not passed{seed}. The keywords are fairseq-generate's options without the "
@@ -91,6 +95,20 @@ class CheckedGeneratorHubInterface(GeneratorHubInterface):
                              "use a shorter text (or, among a list of texts, skip_invalid_size_inputs=True to leave "
                              "it out of the results); positions without weights (fairseq's sinusoidal ones) go further "
                              "when from_pretrained is given larger max_source_positions / max_target_positions") from e
+
+    def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool) -> Iterator:
+        """fairseq's batches, under a ``max_tokens`` (the training run's ``--max-tokens``, kept in the checkpoint)
+        raised to the longest text: it sizes batches, and fairseq stopped on one text longer than it
+        (``Sentences lengths should not exceed max_tokens``), though LION-D/S take any length."""
+        limit = self.cfg.dataset.max_tokens
+        longest = max((len(t) for t in tokens), default=0)
+        if limit is None or longest <= limit:
+            return super()._build_batches(tokens, skip_invalid_size_inputs)
+        self.cfg.dataset.max_tokens = longest
+        try:  # the batches are made here, not as they are read
+            return super()._build_batches(tokens, skip_invalid_size_inputs)
+        finally:
+            self.cfg.dataset.max_tokens = limit
 
     def score(self, sentences, replace_newline_with_eos: bool = False, **kwargs):
         """fairseq's, which scores a language model's text; on a translation model it has no target to score
@@ -131,6 +149,7 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
                                      f"it out of the results), or {beyond}")
             return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
                                     prefix_allowed_tokens_fn, **kwargs)
+        asked = "max_len_a" in kwargs or "max_len_b" in kwargs  # fairseq's default (200) runs into them unasked
         per_prompt = kwargs.pop("max_len_a", self.cfg.generation.max_len_a)
         new = kwargs.pop("max_len_b", self.cfg.generation.max_len_b)
         min_new = kwargs.pop("min_len", self.cfg.generation.min_len)
@@ -155,8 +174,9 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
                                  f"max_len_a={per_prompt}) allow after a prompt of {prompt} tokens: lower min_len or "
                                  "raise max_len_b (both count new tokens; min_len is 1 unless given)")
             if prompt + wanted > room:
-                warnings.warn(f"a prompt of {prompt} tokens continues by at most {room - prompt} tokens, not "
-                              f"{wanted}: the model's {limit} {bound} bound prompt and continuation together")
+                if asked:
+                    warnings.warn(f"a prompt of {prompt} tokens continues by at most {room - prompt} tokens, not "
+                                  f"{wanted}: the model's {limit} {bound} bound prompt and continuation together")
                 least = min(least, room - prompt)
             hypos = super().generate([tokenized_sentences[i] for i in ids], beam, verbose, skip_invalid_size_inputs,
                                      inference_step_args, prefix_allowed_tokens_fn, max_len_a=0,
