@@ -150,9 +150,22 @@ def read_table(path: Path, option: str, specs: Tuple[str, Optional[str], str], h
             table.labels.append(label)
     if not table.line_numbers:
         raise PreprocessError(f"{option}: no data rows in {path}")
+    if header is not None and il is not None and table.labels and il < len(header):
+        # a header's label column is a name (label, quality, ...): a data label there is a first row read as one
+        name = header[il]
+        if name in set(table.labels) or regression and _is_number(name):
+            raise PreprocessError(f"{path}:1: read as the header, but its label column holds {name!r}, a label "
+                                  "like the rows': the file has no header; pass --no-header (columns by number)")
     if table.skipped:
         log.warning("%s: skipped %d rows with too few columns", path, table.skipped)
     return table
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _label_order(labels: List[str]) -> List[str]:
@@ -184,8 +197,10 @@ def run(args: argparse.Namespace) -> Path:
         for t in tables.values():
             for number, label in zip(t.line_numbers, t.labels or []):
                 if label not in known:
+                    real = all(map(_is_number, classes)) and not all(c.lstrip("-").isdigit() for c in classes)
                     raise PreprocessError(f"{t.path}:{number}: label {label!r} never occurs in --train "
-                                          f"(training labels: {', '.join(classes)})")
+                                          f"(training labels: {', '.join(classes)})"
+                                          + ("; the labels are real numbers: pass --regression (STS-B)" if real else ""))
 
     with staged_destdir(args.destdir, args.force) as stage:
         work = stage / "_work"

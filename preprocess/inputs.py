@@ -41,10 +41,15 @@ def iter_lines(path: PathLike) -> Iterator[Tuple[int, str]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                if number == 1 and raw.startswith(b"\x1f\x8b"):
+                    raise PreprocessError(f"{p}: is gzip-compressed; unpack it first (gunzip -k)") from None
+                if number == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+                    raise PreprocessError(f"{p}: is UTF-16; convert it to UTF-8, e.g. `iconv -f utf-16 -t utf-8`") \
+                        from None
                 bad = raw[e.start:e.end]
                 raise PreprocessError(
-                    f"{p}:{number}: not valid UTF-8 (byte {bad!r} at column {e.start + 1}); "
-                    f"convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+                    f"{p}:{number}: not valid UTF-8 (byte {bad!r} at column {e.start + 1}); convert the file to "
+                    f"UTF-8, e.g. `iconv -f latin1 -t utf-8` for Latin-1") from None
             if number == 1 and text.startswith("\ufeff"):
                 text = text[1:]
             if text.endswith("\n"):

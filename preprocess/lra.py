@@ -222,16 +222,25 @@ def pathfinder_index(root: Path) -> List[Tuple[Path, int]]:
     return out
 
 
-def read_pathfinder(index: Sequence[Tuple[Path, int]], size: int) -> Iterator[Item]:
+def read_image(path: Path) -> np.ndarray:
+    """A grayscale image as ``(height, width)`` int64 pixels; a missing or unreadable file named."""
     from PIL import Image
 
-    for path, label in index:
-        if not path.is_file():
-            raise PreprocessError(f"no such image: {path}")
+    if not path.is_file():
+        raise PreprocessError(f"no such image: {path}")
+    try:
         with Image.open(path) as im:
-            pixels = np.asarray(im.convert("L"), dtype=np.int64)
+            return np.asarray(im.convert("L"), dtype=np.int64)
+    except OSError as e:  # PIL's UnidentifiedImageError too, and "image file is truncated", which names no file
+        raise PreprocessError(f"{path}: not a readable image ({e})") from None
+
+
+def read_pathfinder(index: Sequence[Tuple[Path, int]], size: int) -> Iterator[Item]:
+    for path, label in index:
+        pixels = read_image(path)
         if pixels.shape != (size, size):
-            raise PreprocessError(f"{path}: image is {pixels.shape[1]}x{pixels.shape[0]}; the others are {size}x{size}")
+            raise PreprocessError(f"{path}: image is {pixels.shape[1]}x{pixels.shape[0]}, and the first, "
+                                  f"{index[0][0]}, {size}x{size}: the images must be of one size")
         yield (pixels.reshape(-1) + 4,), label
 
 
@@ -288,6 +297,8 @@ def convert(kind: str, splits: Dict[str, Callable[[], Iterable[Item]]], destdir:
                 "image_size": image_size, "channels": channels, "splits": counts,
                 "command": " ".join(["python -m preprocess.lra"] + sys.argv[1:])}
         (stage / "lra.json").write_text(json.dumps(meta, indent=1) + "\n")
+    summary = ", ".join(f"{s} {c['items']} items (longest {c['longest']})" for s, c in counts.items())
+    print(f"done: {destdir}: {kind}, {summary}; {num_classes} classes")  # as preprocess.text and .glue end
     return destdir
 
 
@@ -361,15 +372,16 @@ def run(args: argparse.Namespace) -> Path:
         if args.input_dir is None:
             raise PreprocessError("give --input-dir, e.g. lra_release/pathfinder32")
         index = pathfinder_index(args.input_dir / args.difficulty)
-        from PIL import Image
-
-        with Image.open(index[0][0]) as im:
-            size = im.size[0]
+        size = read_image(index[0][0]).shape[1]
         fractions = np.array(args.split, dtype=np.float64)
         if len(fractions) != 3 or (fractions <= 0).any():
             raise PreprocessError("--split takes three positive fractions (train valid test)")
         bounds = (np.cumsum(np.concatenate([[0], fractions / fractions.sum()])) * len(index)).round().astype(int)
         parts = {s: index[bounds[i]:bounds[i + 1]] for i, s in enumerate(SPLITS)}
+        empty = [s for s, part in parts.items() if not part]
+        if empty:
+            raise PreprocessError(f"--split {' '.join(map(str, args.split))} leaves {' and '.join(empty)} no image "
+                                  f"of the {len(index)}: give each split a larger share")
         splits = {s: (lambda part=part: read_pathfinder(part, size)) for s, part in parts.items()}
         return convert("pathfinder", splits, args.destdir, args.force, byte_dictionary(), 1, 2, size * size,
                        image_size=size)

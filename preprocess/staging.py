@@ -20,16 +20,20 @@ Inputs = Iterable[Tuple[Optional[Path], str]]  # (path or None, the option that 
 
 def check_destdir(destdir: Path, force: bool, inputs: Inputs = ()) -> None:
     """Refuse to clobber existing output unless ``--force``, and even with it a folder that holds this run's
-    inputs or the current folder (replacing it would delete them); fairseq's preprocess splits paths on ','."""
+    inputs or the current folder (replacing it would delete them). fairseq's preprocess splits paths on ',',
+    and fairseq-train its data path on ':'. A symlink is followed: its target is the output folder."""
     destdir = Path(destdir)
     where = destdir.resolve()
-    if "," in str(where):
-        raise PreprocessError(f"--destdir: fairseq's preprocess splits paths on ',', so the path "
-                              f"must not contain one: {destdir}")
+    for sep, who in ((",", "fairseq's preprocess splits paths"), (":", "fairseq-train splits its data path")):
+        if sep in str(where):
+            raise PreprocessError(f"--destdir: {who} on '{sep}', so the path must not contain one: {destdir}")
     if not destdir.exists():
         return
     if not destdir.is_dir():
         raise PreprocessError(f"--destdir: exists and is not a directory: {destdir}")
+    if os.path.ismount(where):  # the finished output takes its place by a rename, which a mount point refuses
+        raise PreprocessError(f"--destdir: {destdir} is a mount point, which the finished output cannot replace; "
+                              f"name a folder inside it, e.g. {destdir / 'data-bin'}")
     for path, option in inputs:
         if path is not None and (where == Path(path).resolve() or where in Path(path).resolve().parents):
             raise PreprocessError(f"--destdir: {destdir} holds this run's input ({option} {path}), which "
@@ -48,6 +52,8 @@ def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder; on normal exit it becomes ``destdir``, on error it is removed."""
     destdir = Path(destdir)
     check_destdir(destdir, force)
+    if destdir.is_symlink():  # the output replaces the folder it points to (a rename would meet the link)
+        destdir = destdir.resolve()
     # a run killed outright (kill -9, a lost node) cannot remove its staging folder; one still running
     # elsewhere (a shared file system) would lose its work, so they are named, not deleted
     left = (sorted(str(p) for p in destdir.parent.glob(f".{destdir.name}.partial-*"))
@@ -69,17 +75,23 @@ def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    old = None
-    if destdir.exists():
-        # Move the old output aside first so the rename below cannot meet a non-empty folder.
-        old = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.old-", dir=destdir.parent))
-        os.replace(destdir, old)
+    old, moved = None, False
     try:
+        if destdir.exists():
+            # Move the old output aside first so the rename below cannot meet a non-empty folder.
+            old = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.old-", dir=destdir.parent))
+            os.replace(destdir, old)
+            moved = True
         os.replace(stage, destdir)
-    except BaseException:
-        if old is not None:
+    except BaseException as e:
+        if moved:
             os.replace(old, destdir)
+        elif old is not None:
+            old.rmdir()
         shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, OSError):  # the previous output, if any, is back in place
+            raise PreprocessError(f"--destdir: cannot put the output in place at {destdir} ({e.strerror or e}); "
+                                  "nothing was written there") from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -585,3 +585,31 @@ def test_classification_criterion_reports_bits_and_accuracy():
     bits = float(torch.nn.functional.cross_entropy(logits, targets)) / math.log(2)
     assert agg.get_smoothed_values()["loss"] == pytest.approx(bits, abs=1e-3)
     assert agg.get_smoothed_values()["accuracy"] == 50.0 and agg.get_smoothed_values()["examples"] == 4
+
+
+def test_pathfinder_bad_images_and_splits_are_named(tmp_path, capsys):
+    """An unreadable image (corrupt, truncated: PIL's own message names no file), a missing first image, one
+    of another size than the first, and a --split that leaves a split empty each stop with one line naming
+    the file or the option, not a traceback; nothing is written. A good run ends with its summary line."""
+    written = pathfinder.write_release(tmp_path, 20, size=32, per_folder=4, seed=1)
+    args = ["pathfinder", "--input-dir", str(tmp_path), "--difficulty", "curv_contour_length_14"]
+
+    def fails(path_or_split, said: str) -> None:
+        assert prep.main([*args, "--destdir", str(tmp_path / "bin"), *path_or_split]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+        assert not (tmp_path / "bin").exists()
+
+    assert prep.main([*args, "--destdir", str(tmp_path / "ok")]) == 0  # ends saying what it wrote, as the others do
+    assert f"done: {tmp_path / 'ok'}: pathfinder, train 16 items (longest 1024), valid 2 items" in capsys.readouterr().out
+    fails(["--split", "0.98", "0.01", "0.01"], "leaves valid and test no image of the 20")
+    first, second = written[0][0], written[1][0]
+    second.write_bytes(second.read_bytes()[:60])  # truncated
+    fails([], f"{second}: not a readable image")
+    second.write_bytes(b"<html>not found</html>")
+    fails([], f"{second}: not a readable image")
+    PIL_Image = __import__("PIL.Image", fromlist=["Image"])
+    PIL_Image.new("L", (16, 16)).save(second)
+    fails([], f"{second}: image is 16x16, and the first, {first}, 32x32")
+    first.unlink()
+    fails([], f"no such image: {first}")

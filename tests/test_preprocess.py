@@ -4,6 +4,7 @@ One user-like subprocess run builds a small corpus shared by the module; other r
 in-process (fairseq imported once). Bad inputs must give a clear message, a non-zero exit and no
 ``--destdir`` (nor a leftover staging folder).
 """
+import gzip
 import json
 import os
 import shutil
@@ -226,6 +227,8 @@ def _bad_text_inputs(tmp: Path):
     latin[6] += " caf\xe9".encode("latin-1")  # line 7 (1-based): a Latin-1 byte
     (tmp / "latin1.txt").write_bytes(b"\n".join(latin) + b"\n")
     (tmp / "two.txt").write_text("one line\nand another\n", encoding="utf-8")
+    (tmp / "corpus.txt.gz").write_bytes(gzip.compress(good.read_bytes()))
+    (tmp / "utf16.txt").write_text("one line\nand another\n", encoding="utf-16")
     return good
 
 
@@ -234,6 +237,9 @@ def _bad_text_inputs(tmp: Path):
     ("empty", ["--input", "empty (0 bytes)", "empty.txt"]),
     ("blank", ["--input", "empty (only 3 blank lines)", "blank.txt"]),
     ("latin1", ["latin1.txt:7:", "not valid UTF-8", "column"]),
+    # not text at all: the fix is to unpack or convert, not the Latin-1 hint
+    ("gzip", ["corpus.txt.gz: is gzip-compressed; unpack it first"]),
+    ("utf16", ["utf16.txt: is UTF-16", "iconv -f utf-16"]),
     ("valid_missing", ["--valid", "file not found", "nope.txt"]),
     # each ratio above 0 holds out a line: two lines leave none for train, which is said, not left out
     ("too_few_lines", ["--input has 2 lines", "1 for valid", "1 for test", "none for train"]),
@@ -247,6 +253,8 @@ def test_text_bad_input(tmp_path, case, expected):
              "empty": ["--input", str(tmp_path / "empty.txt")],
              "blank": ["--input", str(good), str(tmp_path / "blank.txt")],
              "latin1": ["--input", str(good), str(tmp_path / "latin1.txt")],
+             "gzip": ["--input", str(good), str(tmp_path / "corpus.txt.gz")],
+             "utf16": ["--input", str(good), str(tmp_path / "utf16.txt")],
              "valid_missing": ["--input", str(good), "--valid", str(tmp_path / "nope.txt")],
              "too_few_lines": ["--input", str(tmp_path / "two.txt")],
              "spm_option_value": ["--input", str(good), "--spm-option", "byte_fallback=maybe"],
@@ -346,6 +354,10 @@ def test_failed_rerun_keeps_previous_output(text_bin, corpus, tmp_path, capsys):
     ("latin1", ["dev.tsv:2:", "not valid UTF-8"]),
     ("short_row", ["train.tsv:4:", "columns"]),
     ("missing", ["--test", "file not found"]),
+    # columns by number on a file without a header (CoLA's): its first row is not silently dropped
+    ("headerless", ["train.tsv:1: read as the header", "'not_entailment'", "--no-header"]),
+    # real-valued labels read as classes (STS-B without --regression)
+    ("real_labels", ["never occurs in --train", "pass --regression"]),
 ])
 def test_glue_bad_input(glue_tsvs, text_bin, tmp_path, capsys, case, expected):
     root, train, dev, _ = glue_tsvs
@@ -365,6 +377,12 @@ def test_glue_bad_input(glue_tsvs, text_bin, tmp_path, capsys, case, expected):
         write_tsv(tmp_path / "train.tsv", header, [train[0], train[1], train[2][:2]])
     elif case == "missing":
         extra = ["--test", str(tmp_path / "nope.tsv")]
+    elif case == "headerless":
+        (tmp_path / "train.tsv").write_text("".join("\t".join(row) + "\n" for row in train), encoding="utf-8")
+        columns = ["--columns", "1,2,3"]
+    elif case == "real_labels":
+        write_tsv(tmp_path / "train.tsv", header, [(*row[:3], f"{i / 4:.2f}") for i, row in enumerate(train)])
+        write_tsv(tmp_path / "dev.tsv", header, [(*row[:3], "0.30") for row in dev])
     out = tmp_path / "out"
     rc = glue_cli.main(["--train", str(tmp_path / "train.tsv"), "--dev", str(tmp_path / "dev.tsv"),
                         *extra,
@@ -434,3 +452,28 @@ def test_a_staging_folder_left_by_a_killed_run_is_named_and_kept(corpus, text_bi
                         "--destdir", str(tmp_path / "bin")])
     assert rc == 0 and (tmp_path / "bin" / "dict.txt").is_file() and (left / "_work").is_dir(), capsys.readouterr()
     assert f"{left}: staging folder(s) of another run into {tmp_path / 'bin'}" in caplog.text, caplog.text
+
+
+def test_destdir_through_a_symlink_and_paths_fairseq_cannot_read(corpus, tmp_path, capsys, monkeypatch):
+    """A --destdir that is a symlink gets the output in the folder it points to, the link kept (the final
+    rename met the link: a traceback after all the work, the finished output left in a hidden folder). A
+    path with ':' is refused first (fairseq-train splits its data path there), and a final rename that fails
+    (a mount point, say) stops with one line, the previous output in place and nothing left behind."""
+    root, _ = corpus
+    text = ["--input", str(root / "a.txt"), "--vocab-size", str(VOCAB), "--valid-ratio", "0.1", "--test-ratio", "0.05"]
+    target, link = tmp_path / "scratch" / "target", tmp_path / "link"
+    target.mkdir(parents=True)
+    link.symlink_to(target)
+    assert text_cli.main(text + ["--destdir", str(link)]) == 0, capsys.readouterr().err
+    assert link.is_symlink() and (target / "dict.txt").is_file() and (target / "train.bin").is_file()
+    assert leftovers(tmp_path) == [] and leftovers(target.parent) == []
+    assert text_cli.main(text + ["--destdir", str(tmp_path / "a:b")]) == 1
+    assert "fairseq-train splits its data path on ':'" in capsys.readouterr().err
+    before = sorted(p.name for p in target.iterdir())
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: real_replace(a, b) if ".old-" in str(b) or ".old-" in str(a)
+                        else (_ for _ in ()).throw(OSError(16, "Device or resource busy")))
+    assert text_cli.main(text + ["--destdir", str(link), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot put the output in place" in err and "Device or resource busy" in err and "Traceback" not in err
+    assert sorted(p.name for p in target.iterdir()) == before and leftovers(target.parent) == []
