@@ -267,8 +267,14 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     data = data or os.path.dirname(os.path.abspath(checkpoint))
     check_dictionaries(data, target, config, extra)
 
+    def refuse(message: str) -> None:  # argparse would print fairseq-train's whole usage under convert.py's name
+        raise ValueError(f"{message} (the options after --arch are fairseq-train's: fairseq-train --user-dir "
+                         f"{PACKAGE_DIR} --arch {arch} --help lists them)")
+
     def parsed(flags: List[str]) -> argparse.Namespace:
-        return options.parse_args_and_arch(options.get_training_parser(), [
+        parser = options.get_training_parser()
+        parser.error = refuse
+        return options.parse_args_and_arch(parser, [
             data, "--user-dir", PACKAGE_DIR, *target.task, "--arch", arch, *flags, *extra])
 
     ns = parsed(teacher_flags(config, target, extra))

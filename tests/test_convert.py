@@ -595,6 +595,11 @@ def test_convert_prints_the_options_given_after_the_arch(roberta, tmp_path, caps
     assert convert.main([str(roberta), str(tmp_path / "lion.pt"), "--arch", "lion_s_tiny", "--lion-short-conv", "3"]) == 0
     assert "--lion-short-conv 3" in capsys.readouterr().out
     assert torch.load(tmp_path / "lion.pt", weights_only=True)["cfg"]["model"]["lion_short_conv"] == 3
+    # a wrong one: argparse's line and where the options are listed, not fairseq-train's whole usage
+    assert convert.main([str(roberta), str(tmp_path / "x.pt"), "--arch", "lion_s_tiny", "--lion-form", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err and "--arch lion_s_tiny --help" in err and "usage:" not in err, err
+    assert not (tmp_path / "x.pt").exists()
 
 
 def test_teacher_flags_leave_out_the_switches_the_user_gave_in_either_spelling():
