@@ -957,7 +957,7 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
     if a["positions"] != b["positions"]:
         if a["positions"] is None or b["positions"] is None:
             # a translation model without learned ones has fairseq's sinusoidal positions (or none)
-            translation = any(k.startswith("encoder.layers.") for k in model) and stack == "decoder"
+            translation = all(any(k.startswith(f"{s}.layers.") for k in model) for s in ("encoder", "decoder"))
             none = "no learned positions" if translation else "no positions"
             has = lambda n: f"{n} learned positions" if n else none  # noqa: E731
             fairseqs = (" (fairseq's --encoder-learned-pos --decoder-learned-pos)" if translation and a["positions"]

@@ -174,13 +174,22 @@ def target_of(arch: str, config: Dict[str, Any]) -> Target:
     return target
 
 
+def teacher_task(state: Dict) -> Tuple[Optional[str], Dict[str, Any]]:
+    """The task a checkpoint was trained under and its options: from legacy ``args`` (flat, all options), or
+    the dataclass ``cfg``'s task section (a dict, or an ``argparse.Namespace`` in older configs)."""
+    if state.get("args") is not None:
+        options = vars(state["args"])
+        return options.get("task"), options
+    section = (state.get("cfg") or {}).get("task") or {}
+    options = dict(section) if hasattr(section, "keys") else vars(section)
+    return options.get("_name"), options
+
+
 def classifier_target(target: Target, state: Dict, config: Dict[str, Any]) -> Target:
     """``target``, or for a RoBERTa fine-tuned with ``--task sentence_prediction`` (GLUE) the same model built
     under that task: its data folder holds ``input0/`` (and ``label/``) dictionaries, and its classification
     heads come with it."""
-    cfg = state.get("cfg") or {}
-    task = (cfg.get("task") or {}).get("_name") if state.get("args") is None else getattr(state["args"], "task", None)
-    if target.teacher != "roberta" or task != "sentence_prediction":
+    if target.teacher != "roberta" or teacher_task(state)[0] != "sentence_prediction":
         return target
     regression = bool(config.get("regression_target"))
     return dataclasses.replace(
@@ -194,13 +203,12 @@ def teacher_task_settings(state: Dict, target: Target, extra: List[str]) -> Dict
     """How the teacher read its data (``--init-token``, ``--separator-token``, ``--shorten-method``,
     ``--sample-break-mode``, ...), where it was trained under the task the LION model is built with: the
     evaluation tools and the hubs read them from the converted file. Leaves out the data path, the sizes
-    ``teacher_flags`` gives, what the task takes from other groups (``seed``) and what ``extra`` sets."""
+    ``teacher_flags`` gives, what the task takes from other groups (``seed``), what ``extra`` sets, and the
+    evaluation during training (``--eval-bleu``: every load would build its detokenizer and generator)."""
     from fairseq.tasks import TASK_DATACLASS_REGISTRY
 
     name = target.task[1]
-    legacy = state.get("args")
-    task = vars(legacy) if legacy is not None else dict((state.get("cfg") or {}).get("task") or {})
-    trained_as = task.get("task") if legacy is not None else task.get("_name")
+    trained_as, task = teacher_task(state)
     if trained_as != name or name not in TASK_DATACLASS_REGISTRY:
         return {}
     sized = {option for options in target.values.values() for option in options}
@@ -209,8 +217,8 @@ def teacher_task_settings(state: Dict, target: Target, extra: List[str]) -> Dict
         option = "--" + field.name.replace("_", "-")
         interpolated = isinstance(field.default, str) and field.default.startswith("${")
         given = any(e == option or e.startswith(option + "=") for e in extra)
-        if field.name in task and field.name not in ("_name", "data") and not interpolated and not given \
-                and option not in sized:
+        left_out = field.name in ("_name", "data") or field.name.startswith("eval_")
+        if field.name in task and not (left_out or interpolated or given or option in sized):
             settings[field.name] = task[field.name]
     return settings
 
@@ -282,7 +290,7 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     plain = parsed([])
     differing = {key: value for key, value in config.items() if getattr(ns, key, None) != getattr(plain, key, None)}
     with warnings.catch_warnings():  # hydra's deprecation notices about fairseq's own use of it
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.filterwarnings("ignore", message=r"(?s).*hydra", category=UserWarning)  # matched ignoring case
         cfg = convert_namespace_to_omegaconf(ns)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)

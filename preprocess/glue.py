@@ -198,9 +198,9 @@ def run(args: argparse.Namespace) -> Path:
             for number, label in zip(t.line_numbers, t.labels or []):
                 if label not in known:
                     real = all(map(_is_number, classes)) and not all(c.lstrip("-").isdigit() for c in classes)
+                    hint = "; the labels are real numbers: pass --regression (STS-B)" if real else ""
                     raise PreprocessError(f"{t.path}:{number}: label {label!r} never occurs in --train "
-                                          f"(training labels: {', '.join(classes)})"
-                                          + ("; the labels are real numbers: pass --regression (STS-B)" if real else ""))
+                                          f"(training labels: {', '.join(classes)}){hint}")
 
     with staged_destdir(args.destdir, args.force) as stage:
         work = stage / "_work"

@@ -23,7 +23,10 @@ def check_destdir(destdir: Path, force: bool, inputs: Inputs = ()) -> None:
     inputs or the current folder (replacing it would delete them). fairseq's preprocess splits paths on ',',
     and fairseq-train its data path on ':'. A symlink is followed: its target is the output folder."""
     destdir = Path(destdir)
-    where = destdir.resolve()
+    try:
+        where = destdir.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError before Python 3.13
+        raise PreprocessError(f"--destdir: {destdir} cannot be resolved ({e})") from None
     for sep, who in ((",", "fairseq's preprocess splits paths"), (":", "fairseq-train splits its data path")):
         if sep in str(where):
             raise PreprocessError(f"--destdir: {who} on '{sep}', so the path must not contain one: {destdir}")

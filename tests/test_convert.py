@@ -802,6 +802,15 @@ def test_transformer_finetune_from_model_and_convert_command(transformer, mt_dat
     teacher = state_of(transformer)
     assert all(torch.equal(hub.models[0].state_dict()[k], v) for k, v in teacher.items())
     assert len(hub.translate("w1 w2 w3", beam=2).split()) > 0
+    # a teacher trained with fairseq's IWSLT recipe's --eval-bleu --eval-bleu-detok moses: how it read its data
+    # travels, its evaluation during training does not (converting imported sacremoses, not installed here)
+    state = torch.load(transformer, map_location="cpu", weights_only=False)
+    state["cfg"]["task"].update(eval_bleu=True, eval_bleu_detok="moses", left_pad_source=False)
+    torch.save(state, tmp_path / "bleu_teacher.pt")
+    assert main([str(tmp_path / "bleu_teacher.pt"), str(out), "--arch", "lion_d_transformer_tiny", "--data",
+                 str(mt_data)]) == 0
+    task = torch.load(out, weights_only=False)["cfg"]["task"]
+    assert task["eval_bleu"] is False and task["eval_bleu_detok"] == "space" and task["left_pad_source"] is False
 
 
 def test_a_teacher_of_another_kind_names_the_arch_that_starts_from_it(roberta, transformer_lm, transformer,

@@ -298,9 +298,12 @@ def test_options_and_errors(text_data_bin):
     assert not attn.normalize and attn.head_norm is not None and attn.variant == "lit"
     assert model.max_positions() == 64 and model.decoder.embed_positions is not None
     # one too many, as --add-bos-token makes a 64-token sample: the message names the size that fits it
-    with pytest.raises(ValueError, match="65 tokens exceeds the 64 learned positions.*--max-target-positions 65 "
-                                         r"or more \(--add-bos-token"):
+    with pytest.raises(ValueError, match=r"65 tokens exceeds the 64 learned positions.*--max-target-positions 65 "
+                                         r"\(--add-bos-token"):
         model(torch.full((1, 65), 5))
+    with pytest.raises(ValueError, match="66 tokens exceeds the 64 learned positions") as longer:
+        model(torch.full((1, 66), 5))
+    assert "--add-bos-token" not in str(longer.value)
     _, model = build(text_data_bin, "--arch", "lion_lit_lm_tiny", "--add-bos-token", "--max-target-positions", "65")
     assert model.max_positions() == 65 and torch.isfinite(model(torch.full((1, 65), 5))[0]).all()
     with pytest.raises(ValueError, match="--no-lion-normalize"):
@@ -549,6 +552,10 @@ def test_hub_past_learned_positions_says_what_to_do(text_data_bin, lit_trained):
         hub.generate(hub.encode(" ".join(words[:40])), beam=1, max_len_b=5)
         # fairseq's default max_len_b (200), not asked for, stops at the positions unsaid, as transformer_lm does
         assert len(hub.sample(" ".join(words[:40]), beam=1).split()) <= 63
+    # a length asked for at loading is said, as one asked for in the call
+    hub = LionLanguageModel.from_pretrained(str(lit_trained.parent), lit_trained.name, str(text_data_bin), max_len_b=30)
+    with pytest.warns(UserWarning, match=r"a prompt of 40 tokens continues by at most 23 tokens, not 30"):
+        hub.sample(" ".join(words[:40]), beam=1)
 
 
 def test_max_target_positions_bounds_lion_s_as_it_does_transformer_lm(trained, text_data_bin):

@@ -601,7 +601,8 @@ def test_pathfinder_bad_images_and_splits_are_named(tmp_path, capsys):
         assert not (tmp_path / "bin").exists()
 
     assert prep.main([*args, "--destdir", str(tmp_path / "ok")]) == 0  # ends saying what it wrote, as the others do
-    assert f"done: {tmp_path / 'ok'}: pathfinder, train 16 items (longest 1024), valid 2 items" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"done: {tmp_path / 'ok'}: pathfinder, train 16 items (longest 1024), valid 2 items" in said
     fails(["--split", "0.98", "0.01", "0.01"], "leaves valid and test no image of the 20")
     first, second = written[0][0], written[1][0]
     second.write_bytes(second.read_bytes()[:60])  # truncated

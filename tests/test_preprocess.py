@@ -469,6 +469,14 @@ def test_destdir_through_a_symlink_and_paths_fairseq_cannot_read(corpus, tmp_pat
     assert leftovers(tmp_path) == [] and leftovers(target.parent) == []
     assert text_cli.main(text + ["--destdir", str(tmp_path / "a:b")]) == 1
     assert "fairseq-train splits its data path on ':'" in capsys.readouterr().err
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert text_cli.main(text + ["--destdir", str(loop)]) == 1
+    assert f"--destdir: {loop} cannot be resolved" in capsys.readouterr().err
+    with monkeypatch.context() as m:  # a mount point cannot be renamed over: refused before the work
+        m.setattr(os.path, "ismount", lambda p: Path(p) == target)
+        assert text_cli.main(text + ["--destdir", str(link), "--force"]) == 1
+        assert "is a mount point" in capsys.readouterr().err
     before = sorted(p.name for p in target.iterdir())
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: real_replace(a, b) if ".old-" in str(b) or ".old-" in str(a)

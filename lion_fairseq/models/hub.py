@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
+from fairseq.dataclass.configs import GenerationConfig
 from fairseq.hub_utils import GeneratorHubInterface
 
 logger = logging.getLogger(__name__)
@@ -104,11 +105,11 @@ class CheckedGeneratorHubInterface(GeneratorHubInterface):
         longest = max((len(t) for t in tokens), default=0)
         if limit is None or longest <= limit:
             return super()._build_batches(tokens, skip_invalid_size_inputs)
-        self.cfg.dataset.max_tokens = longest
-        try:  # the batches are made here, not as they are read
-            return super()._build_batches(tokens, skip_invalid_size_inputs)
-        finally:
-            self.cfg.dataset.max_tokens = limit
+        # fairseq's own body with the raised limit: the config, shared by every call, is left as it is
+        return self.task.get_batch_iterator(
+            dataset=self.task.build_dataset_for_inference(tokens, torch.LongTensor([len(t) for t in tokens])),
+            max_tokens=longest, max_sentences=self.cfg.dataset.batch_size, max_positions=self.max_positions,
+            ignore_invalid_inputs=skip_invalid_size_inputs, disable_iterator_cache=True).next_epoch_itr(shuffle=False)
 
     def score(self, sentences, replace_newline_with_eos: bool = False, **kwargs):
         """fairseq's, which scores a language model's text; on a translation model it has no target to score
@@ -149,7 +150,10 @@ class ContinuationHubInterface(CheckedGeneratorHubInterface):
                                      f"it out of the results), or {beyond}")
             return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
                                     prefix_allowed_tokens_fn, **kwargs)
-        asked = "max_len_a" in kwargs or "max_len_b" in kwargs  # fairseq's default (200) runs into them unasked
+        # fairseq's default length (max_len_b 200) runs into them unasked; one asked for here or at loading is said
+        asked = "max_len_a" in kwargs or "max_len_b" in kwargs or (
+            self.cfg.generation.max_len_a, self.cfg.generation.max_len_b) != (GenerationConfig.max_len_a,
+                                                                              GenerationConfig.max_len_b)
         per_prompt = kwargs.pop("max_len_a", self.cfg.generation.max_len_a)
         new = kwargs.pop("max_len_b", self.cfg.generation.max_len_b)
         min_new = kwargs.pop("min_len", self.cfg.generation.min_len)

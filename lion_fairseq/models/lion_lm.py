@@ -199,9 +199,10 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         real = (~pad).long()
         positions = (seen[:, None] + real.cumsum(1)) * real + self.padding_idx
         longest = int(positions.max()) - self.padding_idx if positions.numel() else 0
-        check_learned_positions(longest, self.max_target_positions,
-                                shorter=f"shorter inputs, or train with --max-target-positions {longest} or more "
-                                        "(--add-bos-token makes each sample one token longer than --tokens-per-sample)",
+        # one past them is what --add-bos-token makes of a --tokens-per-sample sample
+        bos = (f", or train with --max-target-positions {longest} (--add-bos-token makes each sample one token longer "
+               "than --tokens-per-sample)" if longest == self.max_target_positions + 1 else "")
+        check_learned_positions(longest, self.max_target_positions, shorter=f"shorter inputs{bos}",
                                 set_by="--max-target-positions / --tokens-per-sample")
         return positions
 
