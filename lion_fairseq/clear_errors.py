@@ -517,8 +517,9 @@ LION_MODELS = {
                      "lion_{lit,d,s}[_tiny|_large]"),
     "lion_lm": ("a causal language model", ("language_modeling",), "lion_{lit,d,s}_lm[_tiny]"),
     "lion_transformer": ("a translation model", ("translation",), "lion_{lit,d,s}_transformer[_tiny|_iwslt_de_en]"),
-    "lion_lra": ("a Long Range Arena classifier", ("lra_listops", "lra_text", "lra_retrieval", "lra_image"),
-                 "lion_{lit,d,s}_lra_{listops,text,retrieval,image}"),
+    "lion_lra": ("a Long Range Arena classifier",
+                 ("lra_listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder", "lra_pathx"),
+                 "lion_{lit,d,s}_lra_{listops,text,retrieval,image,pathfinder,pathx,small,tiny}"),
 }
 
 

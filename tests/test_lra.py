@@ -330,6 +330,9 @@ def test_retrieval_tsv_pairs_to_training(tmp_path):
     docs = [data_utils.load_indexed_dataset(str(data / side / "valid"), None) for side in ("input0", "input1")]
     read = sum(int(ds.sizes.sum()) for ds in docs)  # the datasets alive: their sizes are a view of a memory map
     assert int(float(_records(out, "valid")[-1]["valid_ntokens"])) == read  # both documents of each pair
+    # logged as fairseq logs its numbers (a string in the json log), not as the tensor the sum is
+    assert all(isinstance(r["ntokens"], str) for r in _records(out, "train_inner"))
+    assert isinstance(_records(out, "valid")[-1]["valid_ntokens"], str)
 
     # the shared encoder sees each document alone: a document's vector does not depend on its partner
     # or on the padding its batch-mate forces

@@ -798,7 +798,11 @@ def test_unknown_lion_values_name_the_option(text_data_bin, capsys, bad, message
     ("language_modeling", "lion_s_tiny", "lion_{lit,d,s}_lm[_tiny]"),
     ("masked_lm", "lion_s_transformer_tiny", "lion_{lit,d,s}[_tiny|_large]"),
     ("translation", "lion_lm", "lion_{lit,d,s}_transformer[_tiny|_iwslt_de_en]"),
-    ("lra_listops", "lion_s_tiny", "lion_{lit,d,s}_lra_{listops,text,retrieval,image}"),
+    ("lra_listops", "lion_s_tiny", "lion_{lit,d,s}_lra_{listops,text,retrieval,image,pathfinder,pathx,small,tiny}"),
+    # the image tasks of LRA too: fairseq stopped in omegaconf there ('task.tokens_per_sample' not found)
+    ("lra_pathfinder", "lion_s_lm_tiny", "lion_{lit,d,s}_lra_{listops,text,retrieval,image,pathfinder,pathx,small,tiny}"),
+    ("lra_pathx", "lion_s_transformer_tiny", "lion_{lit,d,s}_lra_{listops,text,retrieval,image,pathfinder,pathx,small,"
+                                             "tiny}"),
 ])
 def test_a_lion_arch_with_another_models_task_names_the_archs_the_task_takes(text_data_bin, task, arch, takes):
     """fairseq stopped in omegaconf ("Interpolation key 'task.max_target_positions' not found") or in an

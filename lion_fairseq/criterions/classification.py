@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch.nn.functional as F
-from fairseq import metrics
+from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import FairseqDataclass
 
@@ -42,7 +42,8 @@ class LionClassificationCriterion(FairseqCriterion):
         ncorrect = sum(log.get("ncorrect", 0) for log in logging_outputs)
         metrics.log_scalar("loss", loss / max(n, 1) / math.log(2), n, round=3)
         metrics.log_scalar("accuracy", 100.0 * ncorrect / max(n, 1), n, round=2)
-        metrics.log_scalar("ntokens", sum(log.get("ntokens", 0) for log in logging_outputs))
+        # a number, as fairseq's criterions log it (a pair task's sum is a tensor: its log showed 1013.4000244)
+        metrics.log_scalar("ntokens", utils.item(sum(log.get("ntokens", 0) for log in logging_outputs)))
         metrics.log_scalar("nsentences", n)
         # a count, not a per-batch average: how many examples the accuracy above was computed on
         metrics.log_scalar_sum("examples", n)
