@@ -86,14 +86,14 @@ def teacher_config(state: Dict) -> Dict[str, Any]:
     then model (the model's win)."""
     if state.get("args") is not None:
         return dict(vars(state["args"]))
-    cfg = state.get("cfg") or {}
-    config: Dict[str, Any] = {}
-    for part in ("task", "model"):
-        source = cfg.get(part)
-        if source is not None:
-            # an argparse.Namespace: legacy models' config, also inside cfg
-            config.update(source if hasattr(source, "get") else vars(source))
-    return config
+    return {**_cfg_section(state, "task"), **_cfg_section(state, "model")}
+
+
+def _cfg_section(state: Dict, part: str) -> Dict[str, Any]:
+    """One part of a checkpoint's dataclass ``cfg`` (``task``, ``model``) as a dict; empty where absent."""
+    section = (state.get("cfg") or {}).get(part) or {}
+    # an argparse.Namespace: legacy models' config, also inside cfg
+    return dict(section) if hasattr(section, "keys") else vars(section)
 
 
 def teacher_bpe(state: Dict) -> Optional[Dict[str, Any]]:
@@ -180,8 +180,7 @@ def teacher_task(state: Dict) -> Tuple[Optional[str], Dict[str, Any]]:
     if state.get("args") is not None:
         options = vars(state["args"])
         return options.get("task"), options
-    section = (state.get("cfg") or {}).get("task") or {}
-    options = dict(section) if hasattr(section, "keys") else vars(section)
+    options = _cfg_section(state, "task")
     return options.get("_name"), options
 
 

@@ -137,14 +137,10 @@ def read_table(path: Path, option: str, specs: Tuple[str, Optional[str], str], h
         if il is not None:
             label = fields[il].strip()
             if regression:
-                try:
-                    value = float(label)
-                except ValueError:
-                    value = math.nan
-                if not math.isfinite(value):
+                if not _is_number(label):
                     raise PreprocessError(f"{path}:{number}: label {label!r} is not a finite number "
                                           f"(--regression)")
-                label = repr(value)
+                label = repr(float(label))
             elif not label or label.split() != [label]:
                 raise PreprocessError(f"{path}:{number}: label {label!r} is empty or contains spaces")
             table.labels.append(label)
@@ -162,16 +158,21 @@ def read_table(path: Path, option: str, specs: Tuple[str, Optional[str], str], h
 
 
 def _is_number(text: str) -> bool:
+    """A finite real number, as --regression takes a label."""
     try:
         return math.isfinite(float(text))
     except ValueError:
         return False
 
 
+def _is_integer(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
 def _label_order(labels: List[str]) -> List[str]:
     """Sorted distinct labels (numerically when all are integers), so class ids are predictable."""
     distinct = set(labels)
-    if all(l.lstrip("-").isdigit() for l in distinct):
+    if all(map(_is_integer, distinct)):
         return sorted(distinct, key=int)
     return sorted(distinct)
 
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> Path:
         for t in tables.values():
             for number, label in zip(t.line_numbers, t.labels or []):
                 if label not in known:
-                    real = all(map(_is_number, classes)) and not all(c.lstrip("-").isdigit() for c in classes)
+                    real = all(map(_is_number, classes)) and not all(map(_is_integer, classes))
                     hint = "; the labels are real numbers: pass --regression (STS-B)" if real else ""
                     raise PreprocessError(f"{t.path}:{number}: label {label!r} never occurs in --train "
                                           f"(training labels: {', '.join(classes)}){hint}")
