@@ -1,11 +1,12 @@
 """Causal LION language model (``--arch lion_s_lm`` etc.): a ``FairseqLanguageModel`` whose
 ``FairseqIncrementalDecoder`` trains and scores in the parallel or chunk form and decodes as an RNN.
 
-Decoding keeps, per layer and head, only the state ``(S, z)`` of ``LionAttention`` (plus the previous
-token's gate), and the decoder keeps one token count per sentence for learned positions: O(1) time and
-memory per generated token whatever the context. The first call with an empty ``incremental_state``
-prefills the whole prompt in one pass; later calls read only the last token (fairseq's generator passes
-the whole prefix every step).
+Decoding keeps, per layer and head, only the state ``(S, z)`` of ``LionAttention`` (the last token's gate
+already applied; ``--lion-short-conv N`` adds each layer's last N - 1 inputs): O(1) time and memory per
+generated token whatever the context. The first call with an empty ``incremental_state`` prefills the
+whole prompt in one pass; later calls read only the last token of the whole prefix that fairseq's generator
+passes at every step, and place it after the prefix's real tokens for learned positions, as fairseq's own
+learned positions count the prefix.
 
 Layers are pre-norm with a final LayerNorm by default; ``--no-decoder-normalize-before`` makes them
 post-norm without one, as fairseq's ``--arch transformer_lm`` (whose every named arch is pre-norm), so
@@ -144,11 +145,14 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         """prev_output_tokens: ``(B, T)``. Returns features ``(B, T', C)`` and the extra dict, where
         ``T' = 1`` for a decoding step after the prefill and ``T' = T`` otherwise."""
         tokens = prev_output_tokens
-        saved = self.get_incremental_state(incremental_state, "lm_state") if incremental_state is not None else None
-        if saved:  # decoding step: every earlier token is already in the layers' state
+        stepping = incremental_state is not None and bool(
+            self.layers[0].self_attn.get_incremental_state(incremental_state, "lion_state"))
+        if stepping:  # every earlier token is already in the layers' state (S, z), the only state kept
             tokens = tokens[:, -1:]
         pad = tokens.eq(self.padding_idx)
-        seen = saved["n_tokens"] if saved else tokens.new_zeros(tokens.shape[0])
+        # fairseq's generator passes the whole prefix at every step, as its own learned positions need:
+        # the real tokens before the new one place it
+        seen = prev_output_tokens[:, :-1].ne(self.padding_idx).sum(1) if stepping else tokens.new_zeros(len(tokens))
 
         x = self.embed_scale * embed_tokens_checked(self.embed_tokens, tokens)
         if self.embed_positions is not None:
@@ -168,12 +172,11 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         x = x.transpose(0, 1)
 
         if incremental_state is not None:
-            n_tokens = seen + (~pad).sum(1)
-            self.set_incremental_state(incremental_state, "lm_state", {"n_tokens": n_tokens})
-            # the prefix's length bounds every row's count: only the last steps read the count (a host sync)
+            # the prefix's length bounds every row's count of real tokens: only the last steps count them (a
+            # host sync)
             if self.max_target_positions < UNBOUNDED_POSITIONS and not self.warned_at_limit \
                     and prev_output_tokens.size(1) >= self.max_target_positions - 1 \
-                    and int(n_tokens.max()) >= self.max_target_positions - 1:
+                    and int(prev_output_tokens.ne(self.padding_idx).sum(1).max()) >= self.max_target_positions - 1:
                 # fairseq's generator ends every sequence one token short of the model's positions, silently
                 self.warned_at_limit = True
                 bound, beyond = self.length_bound
@@ -212,14 +215,6 @@ class LionLMDecoder(FairseqIncrementalDecoder):
 
     def max_positions(self) -> int:
         return self.max_target_positions
-
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor) -> None:
-        """The decoder's own state (token counts); ``reorder_incremental_state_scripting`` calls each
-        ``LionAttention``'s reorder itself."""
-        saved = self.get_incremental_state(incremental_state, "lm_state")
-        if saved:
-            self.set_incremental_state(incremental_state, "lm_state",
-                                       {"n_tokens": saved["n_tokens"].index_select(0, new_order)})
 
 
 @register_model("lion_lm", dataclass=LionLMConfig)
