@@ -494,7 +494,7 @@ def not_a_language_model_message(model_cfg: Any) -> Optional[str]:
     return (f"--task language_modeling (fairseq-train, fairseq-eval-lm) takes causal language models, and this "
             f"checkpoint or command line holds a {kind} model (--arch {name}): "
             + OTHER_TOOLS.get(kind, "score it with fairseq-validate and the task it was trained with")
-            + "; a causal LION LM is an arch of lion_{lit,d,s}_lm[_tiny]")
+            + "; a causal LION LM is an arch of " + LION_MODELS["lion_lm"][2])
 
 
 def _wrap_language_model_build(original):
@@ -514,8 +514,9 @@ def _wrap_language_model_build(original):
 # LION's models: what each is, the tasks it trains with, its archs
 LION_MODELS = {
     "lion_roberta": ("an encoder (RoBERTa's kind)", ("masked_lm", "sentence_prediction"),
-                     "lion_{lit,d,s}[_tiny|_large]"),
-    "lion_lm": ("a causal language model", ("language_modeling",), "lion_{lit,d,s}_lm[_tiny]"),
+                     "lion_{lit,d,s}[_large|_tiny], lion_retnet"),
+    "lion_lm": ("a causal language model", ("language_modeling",),
+                "lion_{lit,d,s}_lm[_tiny], lion_retnet_lm, lion_s_lm_plus[_tiny]"),
     "lion_transformer": ("a translation model", ("translation",), "lion_{lit,d,s}_transformer[_tiny|_iwslt_de_en]"),
     "lion_lra": ("a Long Range Arena classifier",
                  ("lra_listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder", "lra_pathx"),
@@ -953,8 +954,8 @@ def first_difference(checkpoint: Dict[str, torch.Tensor], model: Dict[str, torch
     if a["variant"] != b["variant"]:
         v = a["variant"]
         return (f"the LION variant: the checkpoint is LION-{v.upper()} and the model LION-{b['variant'].upper()}; "
-                f"pass an --arch of LION-{v.upper()} (lion_{v}, lion_{v}_lm, lion_{v}_transformer, with the size the "
-                "checkpoint was trained at)")
+                f"pass an --arch of LION-{v.upper()} (lion_{v}, lion_{v}_lm, lion_{v}_transformer or "
+                f"lion_{v}_lra_<task>, with the size the checkpoint was trained at)")
     if a["positions"] != b["positions"]:
         if a["positions"] is None or b["positions"] is None:
             # a translation model without learned ones has fairseq's sinusoidal positions (or none)

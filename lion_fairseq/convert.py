@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .clear_errors import CheckpointError, PACKAGE_DIR, load_checkpoint_file
+from .clear_errors import LION_MODELS, CheckpointError, PACKAGE_DIR, load_checkpoint_file
 
 
 @dataclass(frozen=True)
@@ -144,9 +144,9 @@ def teacher_flags(config: Dict[str, Any], target: Target, extra: List[str]) -> L
 
 
 # the archs of each LION model kind, as a user picks one
-ARCHS = {"lion_roberta": "lion_{lit,d,s}[_large|_tiny] (masked LM, from RoBERTa)",
-         "lion_lm": "lion_{lit,d,s}_lm[_tiny] (causal LM, from transformer_lm)",
-         "lion_transformer": "lion_{lit,d,s}_transformer[_iwslt_de_en|_tiny] (translation, from transformer)"}
+ARCHS = {model: f"{LION_MODELS[model][2]} ({what})" for model, what in (
+    ("lion_roberta", "masked LM, from RoBERTa"), ("lion_lm", "causal LM, from transformer_lm"),
+    ("lion_transformer", "translation, from transformer"))}
 
 
 def target_of(arch: str, config: Dict[str, Any]) -> Target:

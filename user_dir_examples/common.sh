@@ -60,7 +60,7 @@ encoder_arch() {
 lm_arch() {
   case "$1" in
     lion_lm|*_lm|*_lm_*) ;;
-    *) die "ARCH must be a causal LM (lion_{lit,d,s}_lm, lion_retnet_lm, *_lm_tiny, lion_s_lm_plus), got '$1'" ;;
+    *) die "ARCH must be a causal LM (lion_{lit,d,s}_lm[_tiny], lion_retnet_lm, lion_s_lm_plus[_tiny]), got '$1'" ;;
   esac
 }
 translation_arch() {

@@ -2,7 +2,7 @@
 # Causal LION language model, fairseq's transformer_lm recipe for WikiText-103 with a LION arch.
 #   bash user_dir_examples/lm/train.sh DATA_BIN SAVE_DIR [extra fairseq-train options]
 # Environment (defaults in brackets):
-#   ARCH [lion_s_lm]  lion_s_lm | lion_d_lm | lion_retnet_lm | lion_lit_lm, *_lm_tiny
+#   ARCH [lion_s_lm]  lion_s_lm | lion_d_lm | lion_retnet_lm | lion_lit_lm, *_lm_tiny, lion_s_lm_plus[_tiny]
 #   LR [5e-4]   MAX_UPDATE [50000]   TOKENS_PER_SAMPLE [512]
 #   WARMUP_UPDATES [4000, or the same share of a shorter MAX_UPDATE]
 #   MAX_TOKENS [2048 per GPU]   UPDATE_FREQ [32: 65536 tokens per update on 1 GPU, upstream's 2 GPUs x 16]
