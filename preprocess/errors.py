@@ -4,8 +4,6 @@ import signal
 import sys
 from typing import Callable
 
-log = logging.getLogger("preprocess")
-
 EXIT_BAD_INPUT = 1  # argparse itself exits with 2 for bad usage
 EXIT_INTERRUPTED = 130
 

@@ -88,7 +88,7 @@ def _dense_two_scan(m: LionTwoScanAttention, x: torch.Tensor, pad=None) -> torch
     if pad is not None:
         A = A.masked_fill(pad[:, None, None, :], 0.0)
     y = (A @ v) / (A.sum(-1, keepdim=True) + m.eps)
-    return m._output(y)
+    return m._output(y, x)
 
 
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])

@@ -314,7 +314,7 @@ def test_interactive_score_and_hub(mt_data, trained, tmp_path):
     assert torch.load(trained, weights_only=True)["cfg"]["model"]["_name"] == "lion_s_transformer_tiny"
 
 
-def test_decode_benchmark_state_grows_only_with_softmax_attention(tmp_path, one_thread, monkeypatch):
+def test_decode_benchmark_state_grows_only_with_softmax_attention(one_thread, monkeypatch):
     """benchmark.translation decode at small size: the decoding state of LION with linear cross-attention
     is the same for any source, softmax cross-attention caches the source, the transformer both sides."""
     from types import SimpleNamespace
@@ -326,7 +326,7 @@ def test_decode_benchmark_state_grows_only_with_softmax_attention(tmp_path, one_
     pool = SimpleNamespace(apply=lambda f, args: f(*args))
     in_process = SimpleNamespace(Pool=lambda n: contextlib.nullcontext(pool))
     monkeypatch.setattr(translation, "multiprocessing", SimpleNamespace(get_context=lambda method: in_process))
-    rows = translation.decode(tmp_path, [8, 32], 16, 50)
+    rows = translation.decode([8, 32], 16, 50)
     mib = {(r["model"], r["S"]): r["state_mib"] for r in rows}
     assert mib["lion_s linear cross-attn", 8] == mib["lion_s linear cross-attn", 32]
     assert mib["lion_s", 8] < mib["lion_s", 32] and mib["transformer", 8] < mib["transformer", 32]

@@ -177,7 +177,7 @@ def _decode_one(name: str, arch: str, extra: List[str], S: int, T: int, vocab: i
     return row
 
 
-def decode(out: Path, sources: List[int], T: int, vocab: int) -> List[Dict]:
+def decode(sources: List[int], T: int, vocab: int) -> List[Dict]:
     rows = []
     ctx = multiprocessing.get_context("spawn")
     for S in sources:
@@ -233,7 +233,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         text = (f"Reversal task (target = source reversed through a permutation), tiny models, {args.updates} "
                 f"updates, beam 4 on the test split:\n\n" + quality_table(rows))
     else:
-        rows = decode(out, args.sources, args.target, args.vocab)
+        rows = decode(args.sources, args.target, args.vocab)
         text = ("Decoding one target token, base size, batch 1, float32, 1 thread:\n\n" + decode_table(rows))
     (out / f"{args.what}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{args.what}.md").write_text(text + "\n")

@@ -26,8 +26,6 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
-# the model's vocabulary: digits, operators and the closing bracket (parentheses are dropped)
-VOCAB = tuple(str(d) for d in range(10)) + OPERATORS + (END,)
 
 Tree = Union[int, Tuple[str, List["Tree"]]]
 

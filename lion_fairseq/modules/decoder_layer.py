@@ -18,8 +18,9 @@ class LionDecoderLayer(nn.Module):
     Submodule names are fairseq's, so a softmax decoder layer's weights load as they are.
 
     embed_dim, num_heads, ffn_embed_dim: in ``LionEncoderLayer``'s order; attention_kwargs: keyword arguments
-    of ``LionAttention`` (variant, form, chunk_size, feature_map, normalize, norm_after); the layer always
-    builds it causal.
+    of ``LionAttention`` (variant, form, chunk_size, feature_map, normalize, norm_after, and the levers
+    gate_temperature, output_gate, short_conv), e.g. from ``lion_options.lion_attention_kwargs(cfg)``; the
+    layer always builds it causal.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, ffn_embed_dim: int, attention_kwargs: Dict[str, Any], *,

@@ -32,7 +32,8 @@ class LionEncoderLayer(nn.Module):
     the output projection, the nearest equivalent.
 
     attention: keyword arguments of :class:`LionAttention` (variant, form, chunk_size, feature_map,
-    normalize, norm_after), e.g. from ``lion_options.lion_attention_kwargs(cfg)``.
+    normalize, norm_after, and the levers gate_temperature, output_gate, short_conv), e.g. from
+    ``lion_options.lion_attention_kwargs(cfg)``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, ffn_embed_dim: int, attention: Dict[str, Any], *,

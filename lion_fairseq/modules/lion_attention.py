@@ -293,7 +293,7 @@ class LionAttention(nn.Module):
             return log_lam, log_lam
         return F.pad(log_lam[..., :-1], (1, 0)), F.pad(log_lam[..., 1:], (0, 1))
 
-    def _output(self, y: Tensor, x: Optional[Tensor] = None) -> Tensor:
+    def _output(self, y: Tensor, x: Tensor) -> Tensor:
         """Head outputs ``y`` ``(B, H, T, D)`` of the input ``x`` ``(T, B, C)`` -> ``(T, B, C)`` (``x`` is
         read by the output gate only)."""
         if self.head_norm is not None:
@@ -301,8 +301,6 @@ class LionAttention(nn.Module):
         B, H, T, D = y.shape
         y = linear_input(y.permute(2, 0, 1, 3).reshape(T, B, H * D), self.out_proj)
         if self.out_gate is not None:
-            if x is None:
-                raise ValueError("--lion-output-gate needs the attention's input x")
             y = y * F.silu(self.out_gate(x)).to(y.dtype)
         return self.out_proj(y)
 
@@ -342,8 +340,8 @@ class LionAttention(nn.Module):
         self.set_incremental_state(incremental_state, "lion_state", new)
         return y
 
-    def reorder_incremental_state(self, incremental_state, new_order: Tensor) -> None:
-        """Select beams: every saved tensor has the batch first."""
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor) -> None:
+        """Select beams: ``new_order`` ``(B',)`` indexes the batch, the first dim of every saved tensor."""
         for key in ("lion_state", "lion_conv"):
             saved = self.get_incremental_state(incremental_state, key)
             if saved:

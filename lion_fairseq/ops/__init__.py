@@ -1,4 +1,5 @@
-"""The LION operator in pure PyTorch (no fairseq import): parallel, chunkwise and recurrent forms."""
+"""The LION operator, with no fairseq import: the parallel, chunkwise and recurrent forms and the one-token
+step in PyTorch (the reference and the CPU path), and the GPU kernels the chunk form runs on (``backend.py``)."""
 from .attention import FORMS, is_chunk_size, lion_attention
 from .blockwise import block_attention, state_after, state_before
 from .memory import memory_state, read_memory

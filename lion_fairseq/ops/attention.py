@@ -30,8 +30,7 @@ def _log_what_runs(form: str, chunk_size: int, backend: str, device: str, dtype:
     logger.info(f"LION attention: {how}, {device}, {str(dtype).replace('torch.', '')} inputs")
 
 
-def _gate(log_a: Optional[Tensor], B: int, H: int, L: int, dtype: torch.dtype,
-          expand: bool = True) -> Optional[Tensor]:
+def _gate(log_a: Optional[Tensor], L: int, dtype: torch.dtype, expand: bool = True) -> Optional[Tensor]:
     """A log-gate whose shape ``lion_attention`` checked as ``(b, h, L)`` with b in {1, B}, h in {1, H}
     (``(b, h, l)`` with l in {1, L} unless ``expand``), or None."""
     if log_a is None:
@@ -120,7 +119,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
     if which == "triton":
         from .kernel import OutOfResources, does_not_fit, kernel_attention
 
-        f, b = (_gate(g, B, H, L, torch.float32, expand=False) for g in (log_a_fwd, log_a_bwd))
+        f, b = (_gate(g, L, torch.float32, expand=False) for g in (log_a_fwd, log_a_bwd))
         try:
             y = kernel_attention(q.to(common), k.to(common), v.to(common), f, b, causal, normalize,
                                  key_padding_mask, eps, chunk_size)
@@ -138,16 +137,16 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_a_fwd: Optional[Tensor] 
         log_a_bwd = None
 
     if form == "parallel":
-        f = _gate(log_a_fwd, B, H, L, torch.float64)
-        b = _gate(log_a_bwd, B, H, L, torch.float64)
+        f = _gate(log_a_fwd, L, torch.float64)
+        b = _gate(log_a_bwd, L, torch.float64)
         num, den = parallel_attention(q, k, v, f, b, causal)
     elif form == "chunk" and not use_fla:  # normalises block by block itself; takes one gate per head as such
-        f = _gate(log_a_fwd, B, H, L, dtype, expand=False)
-        b = _gate(log_a_bwd, B, H, L, dtype, expand=False)
+        f = _gate(log_a_fwd, L, dtype, expand=False)
+        b = _gate(log_a_bwd, L, dtype, expand=False)
         return chunk_attention(q, k, v, f, b, causal, chunk_size, normalize, eps).to(out_dtype)
     else:
-        f = _gate(log_a_fwd, B, H, L, dtype)
-        b = _gate(log_a_bwd, B, H, L, dtype)
+        f = _gate(log_a_fwd, L, dtype)
+        b = _gate(log_a_bwd, L, dtype)
         f = f.expand(B, H, L).contiguous() if f is not None else None
         b = b.expand(B, H, L).contiguous() if b is not None else None
         if normalize:  # the normaliser rides along as a column of ones in v

@@ -67,7 +67,7 @@ own diagonal term (strong decay), dq comes out to 2e-3 of its size in float16 ag
 import functools
 import os
 from contextlib import contextmanager, nullcontext
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import ContextManager, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -1018,7 +1018,7 @@ def _gate_grad(g: Optional[Tensor], needed: bool, mom: Optional[Tensor], rows: O
     return (full.sum(dims, keepdim=True) if dims else full).to(g.dtype)
 
 
-def launching_on(x: Tensor):
+def launching_on(x: Tensor) -> ContextManager:
     """Where a Triton launch runs: on the current CUDA device and its current stream, so on x's device
     here (x may sit on another GPU than the current one), in order with torch's work on it."""
     return torch.cuda.device(x.device) if x.is_cuda else nullcontext()

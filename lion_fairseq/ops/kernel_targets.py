@@ -24,6 +24,7 @@ import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -89,7 +90,7 @@ class _Recorder:
 
 
 @contextmanager
-def recorded(kernel_module, names: tuple = LAUNCHED) -> Iterator[List[Launch]]:
+def recorded(kernel_module: ModuleType, names: tuple = LAUNCHED) -> Iterator[List[Launch]]:
     """Inside the block, the module's kernels ``names`` record their launches into the yielded list."""
     launches: List[Launch] = []
     saved = {name: getattr(kernel_module, name) for name in names}
