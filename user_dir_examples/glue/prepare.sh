@@ -33,7 +33,7 @@ if [ -f "$DEST/preprocess.json" ] && [ -d "$DEST/input0" ]; then
 elif [ -d "$DEST" ] && [ -n "$(ls -A "$DEST")" ]; then
   die "DEST_DIR $DEST exists and is not an earlier output of this script: remove it or name a new folder"
 fi
-# preprocess/ lives in the checkout root
+# the checkout's preprocess/ first (a pip-installed lion-fairseq has it too)
 PYTHONPATH="$RECIPES_ROOT${PYTHONPATH:+:$PYTHONPATH}" run python -m preprocess.glue \
   --train "$DIR/train.tsv" --dev "$DIR/$DEV" --spm "$PRE/sentencepiece.bpe.model" --dict "$PRE/dict.txt" \
   --columns "$COLUMNS" ${EXTRA[@]+"${EXTRA[@]}"} --destdir "$DEST" --workers "${WORKERS:-4}" ${FORCE[@]+"${FORCE[@]}"}
