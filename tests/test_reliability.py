@@ -839,6 +839,20 @@ def test_a_lion_arch_with_another_models_task_names_the_archs_the_task_takes(tex
         training_args(text_data_bin, task, "--arch", arch)
 
 
+@pytest.mark.parametrize("task, arch", [("masked_lm", "lion_s_tiny"), ("masked_lm", "lion_lit_tiny"),
+                                        ("language_modeling", "lion_lit_lm_tiny")])
+def test_models_build_from_fairseqs_parsed_namespace(text_data_bin, task, arch):
+    """fairseq's older Python API, ``task.build_model(args)`` with the Namespace of ``parse_args_and_arch``, builds
+    LION models as it builds roberta_base (the encoder read an unset --max-positions as an attribute)."""
+    from fairseq import tasks
+
+    from lion_fairseq.models.lion_options import UNBOUNDED_POSITIONS
+
+    args = training_args(text_data_bin, task, "--arch", arch, "--tokens-per-sample", "64")
+    model = tasks.setup_task(args).build_model(args)
+    assert model.max_positions() == (64 if "lit" in arch else UNBOUNDED_POSITIONS)  # the task's length
+
+
 def test_a_task_lion_does_not_know_is_left_to_the_user(text_data_bin):
     """A task outside the plugin's list (a user's own, or fairseq's sentence_ranking) is not refused."""
     args = training_args(text_data_bin, "sentence_ranking", "--arch", "lion_s_tiny", "--num-classes", "2")

@@ -84,7 +84,7 @@ def complete_encoder_config(cfg: Any, task, fill_defaults: Callable[[Any], None]
         fill_defaults(cfg)
         if getattr(cfg, "encoder_layers_to_keep", None):  # as RobertaEncoder: the kept layers only (not in LRA's)
             cfg.encoder_layers = len(str(cfg.encoder_layers_to_keep).split(","))
-        if cfg.max_positions is None:
+        if getattr(cfg, "max_positions", None) is None:  # an argparse Namespace lacks what the arch left out
             cfg.max_positions = task.max_positions()
     if cfg.encoder_embed_dim % cfg.encoder_attention_heads:  # an arch's heads kept at another width
         raise ValueError(f"--encoder-embed-dim {cfg.encoder_embed_dim} must be divisible by "
