@@ -38,7 +38,7 @@ def col_snake(height: int, width: int) -> Tensor:
     return grid.reshape(-1)
 
 
-_BUILDERS = {"row_major": row_major, "row_snake": row_snake, "col_snake": col_snake}
+_BUILDERS = dict(zip(ORDERS, (row_major, row_snake, col_snake)))
 
 
 def ordering(name: str, height: int, width: int) -> Tensor:

@@ -29,13 +29,13 @@ from fairseq.models import BaseFairseqModel, register_model, register_model_arch
 from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_task
-from ..lra.ordering import ordering
+from ..lra.ordering import ORDERS as GRID_ORDERS, ordering
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
                            model_name_arch, refuse_softmax_only_options, set_unset, set_unset_from)
 
-ORDERS = ("row_major", "row_snake", "col_snake", "two_snake")
+ORDERS = (*GRID_ORDERS, "two_snake")  # two_snake: two scans, each in an order of its own
 
 
 @dataclass
