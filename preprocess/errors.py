@@ -1,5 +1,6 @@
 """User-facing errors, and the wrapper that turns them into one message and an exit code."""
 import logging
+import os
 import signal
 import sys
 from typing import Callable
@@ -12,10 +13,28 @@ class PreprocessError(Exception):
     """A problem with the user's input or options; the message names the file, line or option."""
 
 
+_command = {"running": False, "terminated": False}
+
+
 def _raise_on_sigterm(signum, frame):
-    # Turn `kill` into an exception so `finally` blocks remove the staging folder.
-    print("error: terminated; the unfinished output is being removed", file=sys.stderr, flush=True)
+    # Turn `kill` into an exception so `finally` blocks remove the staging folder; said once, as a kill of
+    # the process group (timeout's) reaches the process twice.
+    if not _command["terminated"]:
+        print("error: terminated; the unfinished output is being removed", file=sys.stderr, flush=True)
+    _command["terminated"] = True
     raise SystemExit(128 + signum)
+
+
+def _quiet_worker() -> None:
+    """In a process forked while a command runs (fairseq's binariser's pool workers): the process group's
+    Ctrl-C or kill ends it without a traceback or message of its own; the command says what happened."""
+    if _command["running"]:
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(EXIT_INTERRUPTED))
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_quiet_worker)
 
 
 def run_main(body: Callable[[], None]) -> int:
@@ -31,6 +50,7 @@ def run_main(body: Callable[[], None]) -> int:
         signal.signal(signal.SIGTERM, _raise_on_sigterm)
     except ValueError:  # not the main thread: leave signals alone
         previous = None
+    _command.update(running=True, terminated=False)
     try:
         body()
         return 0
@@ -41,5 +61,6 @@ def run_main(body: Callable[[], None]) -> int:
         print("error: interrupted; nothing was written to --destdir", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
+        _command["running"] = False
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Tuple
@@ -50,6 +51,20 @@ def check_destdir(destdir: Path, force: bool, inputs: Inputs = ()) -> None:
                               f"pass --force to replace it")
 
 
+def remove_staging(stage: Path, tries: int = 50) -> None:
+    """Remove an unfinished staging folder. The signal that stopped the run often comes twice (``timeout`` and
+    a terminal's Ctrl-C signal the whole process group; users press it again), and pool workers that it
+    also stopped may write a last file: neither may leave the folder behind."""
+    for _ in range(tries):
+        try:
+            shutil.rmtree(stage, ignore_errors=True)
+            if not stage.exists():
+                return
+            time.sleep(0.1)
+        except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C or kill: the removal goes on
+            continue
+
+
 @contextmanager
 def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder; on normal exit it becomes ``destdir``, on error it is removed."""
@@ -76,7 +91,7 @@ def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
     try:
         yield stage
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove_staging(stage)
         raise
     old, moved = None, False
     try:
@@ -91,7 +106,7 @@ def staged_destdir(destdir: Path, force: bool = False) -> Iterator[Path]:
             os.replace(old, destdir)
         elif old is not None:
             old.rmdir()
-        shutil.rmtree(stage, ignore_errors=True)
+        remove_staging(stage)
         if isinstance(e, OSError):  # the previous output, if any, is back in place
             raise PreprocessError(f"--destdir: cannot put the output in place at {destdir} ({e.strerror or e}); "
                                   "nothing was written there") from None

@@ -454,6 +454,70 @@ def test_a_staging_folder_left_by_a_killed_run_is_named_and_kept(corpus, text_bi
     assert f"{left}: staging folder(s) of another run into {tmp_path / 'bin'}" in caplog.text, caplog.text
 
 
+def test_a_second_interrupt_during_the_cleanup_leaves_no_staging_folder(tmp_path, monkeypatch):
+    """Ctrl-C or kill often comes twice (timeout and a terminal signal the whole process group): one arriving
+    while the staging folder was being removed left it half removed, hidden beside --destdir."""
+    from preprocess import staging
+
+    real, calls = shutil.rmtree, []
+
+    def interrupted_once(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        with staging.staged_destdir(tmp_path / "bin") as stage:
+            (stage / "_work").mkdir()
+            (stage / "_work" / "train.raw").write_text("a line\n")
+            raise KeyboardInterrupt
+    assert len(calls) == 2 and leftovers(tmp_path) == [] and not (tmp_path / "bin").exists()
+
+
+def test_forked_workers_and_a_second_kill_say_nothing_of_their_own(capfd):
+    """fairseq's binariser forks pool workers: the process group's Ctrl-C printed each worker's traceback,
+    and its kill each worker's "error: terminated" (and the command's own twice). A worker now just ends (130
+    on Ctrl-C, killed by SIGTERM) and the command says it once."""
+    import signal
+    import time
+
+    from preprocess.errors import run_main
+
+    status = {}
+
+    def forks():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            pid = os.fork()
+            if pid == 0:  # a worker: it must end here whatever happens, never return into pytest
+                try:
+                    os.kill(os.getpid(), sig)
+                    time.sleep(5)
+                finally:
+                    os._exit(99)
+            status[sig] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert run_main(forks) == 0
+    assert status == {signal.SIGINT: 130, signal.SIGTERM: -signal.SIGTERM}
+    assert capfd.readouterr().err == ""
+
+    def killed_twice():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            try:  # the group's second kill, during the cleanup
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except SystemExit:
+                pass
+
+    with pytest.raises(SystemExit):
+        run_main(killed_twice)
+    assert capfd.readouterr().err.count("error: terminated") == 1
+
+
 def test_destdir_through_a_symlink_and_paths_fairseq_cannot_read(corpus, tmp_path, capsys, monkeypatch):
     """A --destdir that is a symlink gets the output in the folder it points to, the link kept (the final
     rename met the link: a traceback after all the work, the finished output left in a hidden folder). A
