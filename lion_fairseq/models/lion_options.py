@@ -67,16 +67,14 @@ def boolean_optional(parser: argparse.ArgumentParser, option: str) -> None:
     """fairseq turns a bool field that defaults to True into a store_false flag of the same name (so
     ``--lion-normalize`` would turn normalisation off); make it the ``--x/--no-x`` pair users expect,
     default None so the arch decides."""
-    for action in list(parser._actions):
-        if option in action.option_strings:
-            for group in parser._action_groups:
-                if action in group._group_actions:
-                    group._group_actions.remove(action)
-            parser._remove_action(action)
-            for opt in action.option_strings:
-                parser._option_string_actions.pop(opt, None)
-            parser.add_argument(option, dest=action.dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=action.help)
+    action = parser._option_string_actions.get(option)
+    if action is None:
+        return
+    action.container._remove_action(action)  # from its group and the parser's list, not their option table
+    for opt in action.option_strings:
+        parser._option_string_actions.pop(opt, None)
+    action.container.add_argument(option, dest=action.dest, action=argparse.BooleanOptionalAction, default=None,
+                                  help=action.help)
 
 
 _POSITIONS = "LION's positions are chosen with --lion-positions"
