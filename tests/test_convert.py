@@ -385,6 +385,27 @@ def test_attention_transfer_refuses_a_student_that_did_not_start_from_the_teache
                     "--save-dir", str(tmp_path))
 
 
+def test_attention_transfer_refuses_a_ddp_backend_that_would_not_average_its_gradients(roberta, text_data_bin):
+    """Over several processes torch's DDP (--ddp-backend pytorch_ddp, fairseq's default) averages only what the
+    model's forward ran, and the transfer runs the student's layers itself: each process trained on its own
+    batches, the ranks drifting apart without a word on CPU (found with two gloo ranks)."""
+    from fairseq import tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    def criterion(*extra: str):
+        cfg = convert_namespace_to_omegaconf(training_args(
+            text_data_bin, "masked_lm", "--arch", "lion_s_tiny", *SIZE, "--criterion", "lion_attention_transfer",
+            "--teacher", str(roberta), *extra))
+        return tasks.setup_task(cfg.task).build_criterion(cfg.criterion)
+
+    two = ["--distributed-world-size", "2"]
+    for extra in ([], ["--ddp-backend", "c10d"], [*two, "--ddp-backend", "legacy_ddp"], [*two, "--ddp-backend", "no_c10d"]):
+        assert criterion(*extra).trained, extra
+    for backend in ("pytorch_ddp", "c10d"):
+        with pytest.raises(ValueError, match=rf"with 2 processes needs --ddp-backend legacy_ddp .* {backend} does not"):
+            criterion(*two, "--ddp-backend", backend)
+
+
 def test_attention_transfer_refuses_unknown_parts(roberta, text_data_bin, tmp_path):
     from lion_fairseq.criterions.attention_transfer import trained_parts
 

@@ -25,6 +25,7 @@ import torch
 from fairseq import metrics
 from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import FairseqDataclass
+from omegaconf import II
 from torch import Tensor, nn
 
 PARTS = {"q_proj": ("q_proj.",), "k_proj": ("k_proj.",), "v_proj": ("v_proj.",), "out_proj": ("out_proj.",),
@@ -38,6 +39,21 @@ class LionAttentionTransferConfig(FairseqDataclass):
     transfer_params: str = field(
         default="q_proj,k_proj,gate",
         metadata={"help": f"comma-separated parts of each LION attention that train: {', '.join(PARTS)}"})
+    ddp_backend: str = II("distributed_training.ddp_backend")
+    distributed_world_size: int = II("distributed_training.distributed_world_size")
+
+# the --ddp-backend values that average gradients after the backward, whatever ran in the forward
+EXPLICIT_REDUCTION = ("legacy_ddp", "no_c10d")
+
+
+def check_ddp_backend(ddp_backend: str, world_size: int) -> None:
+    """The criterion runs the student's layers itself, not through the model's forward: torch's
+    DistributedDataParallel (--ddp-backend pytorch_ddp, fairseq's default, and c10d) averages only the
+    gradients of what its forward ran, so each process would train on its own batches without a word."""
+    if world_size > 1 and ddp_backend not in EXPLICIT_REDUCTION:
+        raise ValueError(f"--criterion lion_attention_transfer with {world_size} processes needs --ddp-backend "
+                         f"legacy_ddp (or no_c10d): it runs the student's layers outside the model's forward, "
+                         f"whose gradients --ddp-backend {ddp_backend} does not average across processes")
 
 
 def trained_parts(spec: str) -> List[str]:
@@ -67,11 +83,13 @@ def check_teacher(path: str) -> None:
 
 @register_criterion("lion_attention_transfer", dataclass=LionAttentionTransferConfig)
 class LionAttentionTransferCriterion(FairseqCriterion):
-    def __init__(self, task, teacher: Optional[str] = None, transfer_params: str = "q_proj,k_proj,gate"):
+    def __init__(self, task, teacher: Optional[str] = None, transfer_params: str = "q_proj,k_proj,gate",
+                 ddp_backend: str = "pytorch_ddp", distributed_world_size: int = 1):
         super().__init__(task)
         if not teacher:
             raise ValueError("--criterion lion_attention_transfer needs --teacher <the softmax RoBERTa checkpoint>")
         self.trained = trained_parts(transfer_params)
+        check_ddp_backend(ddp_backend, distributed_world_size)
         from fairseq import checkpoint_utils
 
         check_teacher(teacher)
