@@ -569,8 +569,9 @@ def lion_flags() -> Dict[str, str]:
 
 def misplaced_lion_flag_message(flag: str, value: Optional[str], arch: Optional[str]) -> str:
     """What to do with LION's ``flag`` (``value`` as typed, None for none) on a command line without a model
-    that takes it: fairseq-train with ``--arch`` another model, or a tool that reads the model from its
-    checkpoint (fairseq-eval-lm, -validate, -generate, -interactive)."""
+    that takes it: fairseq-train with ``--arch`` another model (``arch``: "" where it is not known yet), or
+    a tool that reads the model from its checkpoint (``arch`` None: fairseq-eval-lm, -validate, -generate,
+    -interactive)."""
     import ast
 
     key = lion_flags()[flag]
@@ -578,7 +579,8 @@ def misplaced_lion_flag_message(flag: str, value: Optional[str], arch: Optional[
         owners = [f"{LION_MODELS[model][2]} ({LION_MODELS[model][0]})" for model in LION_MODELS
                   if key in _options_of(model)]
         owners = "every LION arch" if len(owners) == len(LION_MODELS) else "the archs " + " and ".join(owners)
-        return f"{flag} is an option of {owners}, not of --arch {arch}: leave it out"
+        given = f"--arch {arch}" if arch else "the --arch given"
+        return f"{flag} is an option of {owners}, not of {given}: leave it out"
     if key in FIXED_BY_TRAINING:
         return (f"{flag}: this command runs the checkpoint's model as it was trained, and {key} is set by "
                 "training: leave it out (fairseq-train with the option trains or fine-tunes a model that has it)")
@@ -593,13 +595,25 @@ def misplaced_lion_flag_message(flag: str, value: Optional[str], arch: Optional[
             f"switches {key} with --model-overrides \"{{'{key}': {shown}}}\"")
 
 
+def _value_of(option: str, argv: List[str]) -> str:
+    """The value given to ``option`` in ``argv`` (``--x v`` or ``--x=v``, the last one), else ""."""
+    found = ""
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(option + "="):
+            found = arg[len(option) + 1:]
+    return found
+
+
 class _MisplacedLionFlag(argparse.Action):
     def __init__(self, *args: Any, from_checkpoint: bool, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.from_checkpoint = from_checkpoint
 
     def __call__(self, parser, namespace, values, option_string=None):
-        arch = None if self.from_checkpoint else getattr(namespace, "arch", None)
+        # on fairseq-train an --arch after the flag is not parsed yet: sys.argv has it where argparse reads it
+        arch = None if self.from_checkpoint else getattr(namespace, "arch", None) or _value_of("--arch", sys.argv)
         parser.error(misplaced_lion_flag_message(option_string, values, arch))
 
 

@@ -899,12 +899,22 @@ def test_lion_flags_on_tools_that_read_the_checkpoint_say_what_to_pass(text_data
     assert not [k for k in vars(args) if k.startswith("lion_")]
 
 
-def test_lion_flags_on_fairseq_train_without_a_model_that_takes_them(text_data_bin, capsys):
+def test_lion_flags_on_fairseq_train_without_a_model_that_takes_them(text_data_bin, capsys, monkeypatch):
     """fairseq's own model, or a LION model of another kind, named with what takes the flag."""
     with pytest.raises(SystemExit):
         training_args(text_data_bin, "masked_lm", "--arch", "roberta", "--lion-form", "chunk")
     assert "error: --lion-form is an option of every LION arch, not of --arch roberta: leave it out" in \
         capsys.readouterr().err
+    # before --arch, which argparse has not read yet: it was told to use --model-overrides, an evaluation option
+    command = ["masked_lm", "--lion-form", "chunk", "--arch", "roberta"]
+    monkeypatch.setattr(sys, "argv", ["fairseq-train", str(text_data_bin), "--task", *command])
+    for argv_has_it, named in ((True, "--arch roberta"), (False, "the --arch given")):
+        if not argv_has_it:
+            monkeypatch.setattr(sys, "argv", ["python"])
+        with pytest.raises(SystemExit):
+            training_args(text_data_bin, *command)
+        assert f"error: --lion-form is an option of every LION arch, not of {named}: leave it out" in \
+            capsys.readouterr().err
     with pytest.raises(SystemExit):
         training_args(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny", "--lion-cross-attention",
                       "linear")
