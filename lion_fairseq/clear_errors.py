@@ -46,6 +46,7 @@ import contextlib
 import difflib
 import errno
 import functools
+import inspect
 import logging
 import os
 import pickle
@@ -595,15 +596,20 @@ def misplaced_lion_flag_message(flag: str, value: Optional[str], arch: Optional[
             f"switches {key} with --model-overrides \"{{'{key}': {shown}}}\"")
 
 
-def _value_of(option: str, argv: List[str]) -> str:
-    """The value given to ``option`` in ``argv`` (``--x v`` or ``--x=v``, the last one), else ""."""
+def _arch_given(namespace: argparse.Namespace) -> str:
+    """fairseq-train's ``--arch`` as the parse will end with it (argparse keeps the last, and has not read one
+    that comes after a misplaced flag yet): read from the strings being parsed, else the one read so far."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_name != "_parse_known_args":
+        frame = frame.f_back
+    strings = frame.f_locals.get("arg_strings") if frame is not None else None
     found = ""
-    for i, arg in enumerate(argv):
-        if arg == option and i + 1 < len(argv):
-            found = argv[i + 1]
-        elif arg.startswith(option + "="):
-            found = arg[len(option) + 1:]
-    return found
+    for i, arg in enumerate(strings if isinstance(strings, list) else []):
+        if arg in ("--arch", "-a") and i + 1 < len(strings):
+            found = strings[i + 1]
+        elif arg.startswith("--arch="):
+            found = arg[len("--arch="):]
+    return found or getattr(namespace, "arch", None) or ""
 
 
 class _MisplacedLionFlag(argparse.Action):
@@ -612,8 +618,7 @@ class _MisplacedLionFlag(argparse.Action):
         self.from_checkpoint = from_checkpoint
 
     def __call__(self, parser, namespace, values, option_string=None):
-        # on fairseq-train an --arch after the flag is not parsed yet: sys.argv has it where argparse reads it
-        arch = None if self.from_checkpoint else getattr(namespace, "arch", None) or _value_of("--arch", sys.argv)
+        arch = None if self.from_checkpoint else _arch_given(namespace)
         parser.error(misplaced_lion_flag_message(option_string, values, arch))
 
 

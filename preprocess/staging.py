@@ -51,10 +51,11 @@ def check_destdir(destdir: Path, force: bool, inputs: Inputs = ()) -> None:
                               f"pass --force to replace it")
 
 
-def remove_staging(stage: Path, tries: int = 50) -> None:
+def remove_staging(stage: Path, tries: int = 10) -> None:
     """Remove an unfinished staging folder. The signal that stopped the run often comes twice (``timeout`` and
     a terminal's Ctrl-C signal the whole process group; users press it again), and pool workers that it
-    also stopped may write a last file: neither may leave the folder behind."""
+    also stopped may write a last file: neither may leave the folder behind (a folder that cannot be
+    removed is given up after about a second)."""
     for _ in range(tries):
         try:
             shutil.rmtree(stage, ignore_errors=True)

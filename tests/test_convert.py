@@ -399,10 +399,11 @@ def test_attention_transfer_refuses_a_ddp_backend_that_would_not_average_its_gra
         return tasks.setup_task(cfg.task).build_criterion(cfg.criterion)
 
     two = ["--distributed-world-size", "2"]
-    for extra in ([], ["--ddp-backend", "c10d"], [*two, "--ddp-backend", "legacy_ddp"], [*two, "--ddp-backend", "no_c10d"]):
+    for extra in ([], ["--ddp-backend", "c10d"], [*two, "--ddp-backend", "legacy_ddp"],
+                  [*two, "--ddp-backend", "no_c10d"]):
         assert criterion(*extra).trained, extra
     for backend in ("pytorch_ddp", "c10d"):
-        with pytest.raises(ValueError, match=rf"with 2 processes needs --ddp-backend legacy_ddp .* {backend} does not"):
+        with pytest.raises(ValueError, match=rf"with 2 processes needs --ddp-backend legacy_ddp .* {backend} needs"):
             criterion(*two, "--ddp-backend", backend)
 
 

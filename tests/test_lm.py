@@ -286,6 +286,31 @@ def test_prefill_then_steps_equal_full_forward_and_state_is_constant(arch, extra
     assert [set(d) for d in state.values()] == [{"S", "z"}] * 2, {key: set(d) for key, d in state.items()}
 
 
+def test_a_step_given_the_new_token_alone_is_refused_where_positions_need_the_prefix(text_data_bin):
+    """Learned positions count the prefix fairseq's generator passes at every step: a caller that passes the
+    new token alone would place every step at position 1, silently; a model without positions takes it (its
+    state is all it reads), and a decoder without layers has no state to step."""
+    torch.manual_seed(0)
+    toks = torch.randint(4, 50, (2, 6))
+    for arch, refused in (("lion_lit_lm_tiny", True), ("lion_s_lm_tiny", False)):
+        _, model = build(text_data_bin, "--arch", arch)
+        model.eval()
+        with torch.no_grad():
+            state = {}
+            model(toks[:, :4], incremental_state=state)
+            if refused:
+                with pytest.raises(ValueError, match="takes the whole prefix, as fairseq's generator passes it"):
+                    model(toks[:, 4:5], incremental_state=state)
+            else:
+                alone = model(toks[:, 4:5], incremental_state=state)[0]
+                torch.testing.assert_close(alone[:, -1], model(toks[:, :5])[0][:, -1], atol=1e-5, rtol=1e-5)
+    _, model = build(text_data_bin, "--arch", "lion_lit_lm_tiny", "--decoder-layers", "0")
+    with torch.no_grad():
+        state = {}
+        assert model(toks[:, :4], incremental_state=state)[0].shape[:2] == (2, 4)
+        assert model(toks[:, :5], incremental_state=state)[0].shape[:2] == (2, 5)  # no state: the whole prefix
+
+
 def test_options_and_errors(text_data_bin):
     _, model = build(text_data_bin, "--arch", "lion_s_lm_tiny")
     attn = model.decoder.layers[0].self_attn

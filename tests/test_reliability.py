@@ -905,16 +905,15 @@ def test_lion_flags_on_fairseq_train_without_a_model_that_takes_them(text_data_b
         training_args(text_data_bin, "masked_lm", "--arch", "roberta", "--lion-form", "chunk")
     assert "error: --lion-form is an option of every LION arch, not of --arch roberta: leave it out" in \
         capsys.readouterr().err
-    # before --arch, which argparse has not read yet: it was told to use --model-overrides, an evaluation option
-    command = ["masked_lm", "--lion-form", "chunk", "--arch", "roberta"]
-    monkeypatch.setattr(sys, "argv", ["fairseq-train", str(text_data_bin), "--task", *command])
-    for argv_has_it, named in ((True, "--arch roberta"), (False, "the --arch given")):
-        if not argv_has_it:
-            monkeypatch.setattr(sys, "argv", ["python"])
-        with pytest.raises(SystemExit):
-            training_args(text_data_bin, *command)
-        assert f"error: --lion-form is an option of every LION arch, not of {named}: leave it out" in \
-            capsys.readouterr().err
+    # before --arch, which argparse has not read yet (it was told to use --model-overrides, an evaluation option),
+    # or between two, of which argparse keeps the last (a recipe's --arch, then the user's)
+    monkeypatch.setattr(sys, "argv", ["fairseq-train", "--arch", "lion_s_tiny"])  # not the list parsed
+    for arch in (["--arch", "roberta"], ["-a", "roberta"], ["--arch=roberta"]):
+        for command in (["--lion-form", "chunk", *arch], ["--arch", "lion_s_tiny", "--lion-form", "chunk", *arch]):
+            with pytest.raises(SystemExit):
+                training_args(text_data_bin, "masked_lm", *command)
+            assert "error: --lion-form is an option of every LION arch, not of --arch roberta: leave it out" in \
+                capsys.readouterr().err, command
     with pytest.raises(SystemExit):
         training_args(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny", "--lion-cross-attention",
                       "linear")

@@ -42,6 +42,7 @@ class LionAttentionTransferConfig(FairseqDataclass):
     ddp_backend: str = II("distributed_training.ddp_backend")
     distributed_world_size: int = II("distributed_training.distributed_world_size")
 
+
 # the --ddp-backend values that average gradients after the backward, whatever ran in the forward
 EXPLICIT_REDUCTION = ("legacy_ddp", "no_c10d")
 
@@ -49,11 +50,12 @@ EXPLICIT_REDUCTION = ("legacy_ddp", "no_c10d")
 def check_ddp_backend(ddp_backend: str, world_size: int) -> None:
     """The criterion runs the student's layers itself, not through the model's forward: torch's
     DistributedDataParallel (--ddp-backend pytorch_ddp, fairseq's default, and c10d) averages only the
-    gradients of what its forward ran, so each process would train on its own batches without a word."""
+    gradients of what its forward ran, so each process would train on its own batches without a word (and
+    the sharding and SlowMo backends expect the forward too)."""
     if world_size > 1 and ddp_backend not in EXPLICIT_REDUCTION:
         raise ValueError(f"--criterion lion_attention_transfer with {world_size} processes needs --ddp-backend "
                          f"legacy_ddp (or no_c10d): it runs the student's layers outside the model's forward, "
-                         f"whose gradients --ddp-backend {ddp_backend} does not average across processes")
+                         f"which --ddp-backend {ddp_backend} needs to average their gradients across processes")
 
 
 def trained_parts(spec: str) -> List[str]:

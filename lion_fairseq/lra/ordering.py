@@ -16,7 +16,6 @@ see :mod:`lion_fairseq.modules.two_scan_attention`.
 import torch
 from torch import Tensor
 
-ORDERS = ("row_major", "row_snake", "col_snake")
 
 
 def row_major(height: int, width: int) -> Tensor:
@@ -38,7 +37,8 @@ def col_snake(height: int, width: int) -> Tensor:
     return grid.reshape(-1)
 
 
-_BUILDERS = dict(zip(ORDERS, (row_major, row_snake, col_snake)))
+_BUILDERS = {"row_major": row_major, "row_snake": row_snake, "col_snake": col_snake}
+ORDERS = tuple(_BUILDERS)
 
 
 def ordering(name: str, height: int, width: int) -> Tensor:

@@ -145,14 +145,20 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         """prev_output_tokens: ``(B, T)``. Returns features ``(B, T', C)`` and the extra dict, where
         ``T' = 1`` for a decoding step after the prefill and ``T' = T`` otherwise."""
         tokens = prev_output_tokens
-        stepping = incremental_state is not None and bool(
+        stepping = incremental_state is not None and len(self.layers) > 0 and bool(
             self.layers[0].self_attn.get_incremental_state(incremental_state, "lion_state"))
         if stepping:  # every earlier token is already in the layers' state (S, z), the only state kept
             tokens = tokens[:, -1:]
         pad = tokens.eq(self.padding_idx)
-        # fairseq's generator passes the whole prefix at every step, as its own learned positions need:
-        # the real tokens before the new one place it
-        seen = prev_output_tokens[:, :-1].ne(self.padding_idx).sum(1) if stepping else tokens.new_zeros(len(tokens))
+        seen = tokens.new_zeros(len(tokens))
+        if stepping and self.embed_positions is not None:
+            # fairseq's generator passes the whole prefix at every step, as its own learned positions need:
+            # the real tokens before the new one place it
+            if prev_output_tokens.size(1) < 2:
+                raise ValueError("a decoding step of a model with learned positions takes the whole prefix, as "
+                                 "fairseq's generator passes it (the last token is the new one): it was given "
+                                 "the new token alone")
+            seen = prev_output_tokens[:, :-1].ne(self.padding_idx).sum(1)
 
         x = self.embed_scale * embed_tokens_checked(self.embed_tokens, tokens)
         if self.embed_positions is not None:

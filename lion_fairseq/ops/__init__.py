@@ -1,5 +1,6 @@
 """The LION operator, with no fairseq import: the parallel, chunkwise and recurrent forms and the one-token
-step in PyTorch (the reference and the CPU path), and the GPU kernels the chunk form runs on (``backend.py``)."""
+step in PyTorch (the reference and the CPU path), and the GPU kernels the chunk form runs on (LION's own in
+``kernel.py``, fla's in ``fla.py``; ``backend.py`` picks one)."""
 from .attention import FORMS, is_chunk_size, lion_attention
 from .blockwise import block_attention, state_after, state_before
 from .memory import memory_state, read_memory
