@@ -860,3 +860,16 @@ def test_a_teacher_of_another_kind_names_the_arch_that_starts_from_it(roberta, t
                            "--finetune-from-model", str(transformer_lm)], capture_output=True, text=True,
                           timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0 and "it holds a transformer_lm model" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_task_option_given_after_the_arch_wins_over_the_teachers(roberta, tmp_path, capsys):
+    """The teacher's task settings travel to the converted file, except one the user passes after the arch:
+    that one is the user's (the teacher's masked_lm trained at the default --mask-prob 0.15)."""
+    from lion_fairseq import convert
+
+    teacher = torch.load(roberta, map_location="cpu", weights_only=False)["cfg"]["task"]
+    assert teacher["mask_prob"] == 0.15
+    out = tmp_path / "lion.pt"
+    assert convert.main([str(roberta), str(out), "--arch", "lion_s_tiny", "--mask-prob", "0.3"]) == 0, \
+        capsys.readouterr().err
+    assert torch.load(out, weights_only=False)["cfg"]["task"]["mask_prob"] == 0.3

@@ -544,3 +544,27 @@ def test_hub_classes_import_from_the_package():
     from lion_fairseq import LionLanguageModel, LionRobertaModel, LionTransformerModel
 
     assert all(hasattr(c, "from_pretrained") for c in (LionLanguageModel, LionRobertaModel, LionTransformerModel))
+
+
+def test_first_difference_of_an_encoders_positions_and_variant_is_said_in_its_terms(text_data_bin):
+    """An encoder's positions: 'no positions' (not a translation model's 'no learned positions' and fairseq's
+    --encoder-learned-pos, which masked_lm has not), and the variant's archs include the LRA ones."""
+    from lion_fairseq.clear_errors import first_difference
+
+    def weights(*args):
+        return build_model(text_data_bin, "masked_lm", "--tokens-per-sample", "64", *args)[1].state_dict()
+
+    base, learned = weights("--arch", "lion_s_tiny"), weights("--arch", "lion_s_tiny", "--lion-positions", "learned")
+    assert first_difference(learned, base) == ("positions: the checkpoint has 64 learned positions and the model "
+                                               "no positions; pass --lion-positions learned")
+    assert first_difference(base, learned) == ("positions: the checkpoint has no positions and the model 64 learned "
+                                               "positions; pass --lion-positions none")
+    assert "(lion_lit, lion_lit_lm, lion_lit_transformer or lion_lit_lra_<task>, with the size" in first_difference(
+        weights("--arch", "lion_lit_tiny"), base)
+    # a language model's decoder alone is no translation model: its positions are said as an encoder's
+    def lm(*args):
+        return build_model(text_data_bin, "language_modeling", "--tokens-per-sample", "64", "--arch",
+                           "lion_s_lm_tiny", *args)[1].state_dict()
+
+    assert first_difference(lm("--lion-positions", "learned"), lm()) == (
+        "positions: the checkpoint has 64 learned positions and the model no positions; pass --lion-positions learned")

@@ -108,3 +108,14 @@ def test_chosen_where_the_triton_kernels_are(monkeypatch):
     assert calls == ([x.shape] if runnable else [])
     feature_maps.silu_norm(torch.randn(2, 3, 5, 200, device=DEVICE))  # a head size the kernels do not take
     assert len(calls) == (1 if runnable else 0)
+
+
+@needs_kernel
+def test_kernel_refusal_names_the_backend_to_run_without():
+    """The feature map's kernel runs under LION_BACKEND=triton in any form: its refusal of a second
+    derivative says to run without that, not to switch --lion-form (which would not avoid it)."""
+    from lion_fairseq.ops.feature_kernel import silu_norm_kernel
+
+    x = fairseq_heads(9, 2, 2, 32, torch.float32).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"feature map's Triton kernel.*; run without LION_BACKEND=triton$"):
+        torch.autograd.grad(silu_norm_kernel(x).sum(), x, create_graph=True)

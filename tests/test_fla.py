@@ -436,3 +436,19 @@ def test_fla_kernels_match_reference_fp32():
               F.logsigmoid(torch.randn(1, 2, L, generator=g) + 2)]
     y = lion_attention(*[x.cuda() for x in inputs], form="chunk")
     assert rel_rms(y.cpu(), fast_reference_attention(*inputs)) < TOL[torch.float32][0]
+
+
+def test_the_forward_kernels_backward_refuses_a_second_derivative_itself(naive_fla):
+    """``_GLAFromForwardKernels``'s own backward raises under ``create_graph=True``, not only the guard that
+    ``fla_attention`` puts on its output: without it, its backward would run in grad mode on the naive (here)
+    or real forward kernel and return a graph that misses terms to a caller of ``_gla``."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.rand(1, 6, 2, 4, generator=g) + 0.05).requires_grad_()
+    k = torch.rand(1, 6, 2, 4, generator=g) + 0.05
+    v = torch.randn(1, 6, 2, 4, generator=g)
+    gate = F.logsigmoid(torch.randn(1, 6, 2, generator=g) + 1)
+    y = fla_mod._GLAFromForwardKernels.apply(q, k, v, gate)
+    with pytest.raises(RuntimeError, match="differentiate twice through flash-linear-attention's kernels"):
+        torch.autograd.grad(y.sum(), q, create_graph=True, retain_graph=True)
+    (gq,) = torch.autograd.grad(y.sum(), q)
+    assert torch.isfinite(gq).all() and gq.abs().sum() > 0

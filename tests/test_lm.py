@@ -736,3 +736,17 @@ def test_override_of_what_the_weights_were_trained_as_is_refused(trained, text_d
     assert LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_form="recurrent",
                                              lion_variant=model["lion_variant"], lion_feature_map="silu_norm",
                                              lion_positions="none", lion_gate_temperature="1.0", lion_short_conv=0)
+
+
+def test_hub_a_max_len_a_asked_for_says_where_learned_positions_stop_it(text_data_bin, lit_trained):
+    """max_len_a alone, in the call or at loading, is a length asked for: running into LION-LIT's 64 learned
+    positions is said, as it is for max_len_b (fairseq's default length alone stops there unsaid)."""
+    from lion_fairseq import LionLanguageModel
+
+    prompt = " ".join(Path(text_data_bin).parent.joinpath("train.txt").read_text().split()[:40])
+    hub = LionLanguageModel.from_pretrained(str(lit_trained.parent), lit_trained.name, str(text_data_bin))
+    with pytest.warns(UserWarning, match=r"a prompt of 40 tokens continues by at most 23 tokens"):
+        hub.sample(prompt, beam=1, max_len_a=1)
+    hub = LionLanguageModel.from_pretrained(str(lit_trained.parent), lit_trained.name, str(text_data_bin), max_len_a=1)
+    with pytest.warns(UserWarning, match=r"a prompt of 40 tokens continues by at most 23 tokens"):
+        hub.sample(prompt, beam=1)

@@ -549,3 +549,36 @@ def test_destdir_through_a_symlink_and_paths_fairseq_cannot_read(corpus, tmp_pat
     err = capsys.readouterr().err
     assert "cannot put the output in place" in err and "Device or resource busy" in err and "Traceback" not in err
     assert sorted(p.name for p in target.iterdir()) == before and leftovers(target.parent) == []
+
+
+def test_previous_output_that_cannot_be_moved_aside_stays_with_nothing_left(corpus, tmp_path, capsys, monkeypatch):
+    """The previous output cannot be moved aside (the first of the final renames fails): it stays as it was,
+    the run stops with one line, and the empty folder made to hold it is removed with the staging folder."""
+    root, _ = corpus
+    text = ["--input", str(root / "a.txt"), "--vocab-size", str(VOCAB), "--valid-ratio", "0.1", "--test-ratio", "0.05"]
+    out = tmp_path / "bin"
+    assert text_cli.main(text + ["--destdir", str(out)]) == 0, capsys.readouterr().err
+    before = sorted(p.name for p in out.iterdir())
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(13, "Permission denied"))
+                        if ".old-" in str(b) else real_replace(a, b))
+    assert text_cli.main(text + ["--destdir", str(out), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot put the output in place" in err and "Permission denied" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == before and leftovers(tmp_path) == []
+
+
+def test_utf16_of_either_byte_order_and_gzip_are_named(tmp_path):
+    """In-process (run_module's subprocess runs the installed package): a UTF-16 file with either BOM, and a
+    gzip file, are named as such on line 1, not as a Latin-1 byte."""
+    from preprocess.errors import PreprocessError
+    from preprocess.inputs import iter_lines
+
+    (tmp_path / "le.txt").write_bytes("\ufeffone line\n".encode("utf-16-le"))
+    (tmp_path / "be.txt").write_bytes("\ufeffone line\n".encode("utf-16-be"))
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(b"one line\nand another\n"))
+    for name in ("le.txt", "be.txt"):
+        with pytest.raises(PreprocessError, match=rf"{name}: is UTF-16"):
+            list(iter_lines(tmp_path / name))
+    with pytest.raises(PreprocessError, match=r"c\.txt\.gz: is gzip-compressed"):
+        list(iter_lines(tmp_path / "c.txt.gz"))

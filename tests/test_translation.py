@@ -400,3 +400,14 @@ def test_learned_positions_a_model_lacks_are_named_with_the_options_that_give_th
         model.load_state_dict(learned)
     for fix in (["--lion-positions", "learned"], ["--encoder-learned-pos", "--decoder-learned-pos"]):
         build(mt_data, "lit", "softmax", *fix)[1].load_state_dict(learned)
+
+
+def test_no_learned_positions_a_model_has_too_many_of_are_named_without_fairseqs_options(mt_data):
+    """The other way round: a checkpoint without learned positions into a model with them is told
+    --lion-positions none, without fairseq's --encoder-learned-pos --decoder-learned-pos (which would add them)."""
+    plain = build(mt_data, "lit", "softmax")[1].state_dict()
+    model = build(mt_data, "lit", "softmax", "--lion-positions", "learned")[1]
+    with pytest.raises(RuntimeError, match=r"the checkpoint has no learned positions and the model \d+ learned "
+                                           r"positions; pass --lion-positions none\.$") as refused:
+        model.load_state_dict(plain)
+    assert "--encoder-learned-pos" not in str(refused.value)
