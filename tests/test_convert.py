@@ -477,6 +477,8 @@ def test_fairseq_models_take_their_own_overrides_and_build_as_fairseq_builds_the
                                          r"roberta_base\).*fairseq-validate") as e:
         build_model(text_data_bin, "language_modeling", "--arch", "roberta_base", *SIZE)
     assert "Unsupported language modeling target" in str(e.value.__cause__)
+    assert str(e.value).endswith("a causal LION LM is an arch of lion_{lit,d,s}_lm[_tiny], lion_retnet_lm, "
+                                 "lion_s_lm_plus[_tiny]")  # every registered one
 
 
 def lion_lm(text_data_bin, arch, *extra):

@@ -358,6 +358,11 @@ def test_failed_rerun_keeps_previous_output(text_bin, corpus, tmp_path, capsys):
     ("headerless", ["train.tsv:1: read as the header", "'not_entailment'", "--no-header"]),
     # real-valued labels read as classes (STS-B without --regression)
     ("real_labels", ["never occurs in --train", "pass --regression"]),
+    # ... and an STS-B file without a header, with --regression: its first row is not dropped either
+    ("headerless_regression", ["train.tsv:1: read as the header", "--no-header"]),
+    ("nan_label", ["train.tsv:3:", "'nan' is not a finite number (--regression)"]),
+    # integer classes the training split lacks: no --regression hint
+    ("integer_labels", ["dev.tsv:2:", "label '2' never occurs in --train (training labels: 0, 1)"]),
 ])
 def test_glue_bad_input(glue_tsvs, text_bin, tmp_path, capsys, case, expected):
     root, train, dev, _ = glue_tsvs
@@ -380,9 +385,20 @@ def test_glue_bad_input(glue_tsvs, text_bin, tmp_path, capsys, case, expected):
     elif case == "headerless":
         (tmp_path / "train.tsv").write_text("".join("\t".join(row) + "\n" for row in train), encoding="utf-8")
         columns = ["--columns", "1,2,3"]
-    elif case == "real_labels":
-        write_tsv(tmp_path / "train.tsv", header, [(*row[:3], f"{i / 4:.2f}") for i, row in enumerate(train)])
+    elif case in ("real_labels", "headerless_regression", "nan_label"):
+        scored = [(*row[:3], f"{i / 4:.2f}") for i, row in enumerate(train)]
+        write_tsv(tmp_path / "train.tsv", header, scored)
         write_tsv(tmp_path / "dev.tsv", header, [(*row[:3], "0.30") for row in dev])
+        if case != "real_labels":
+            extra = ["--regression"]
+        if case == "headerless_regression":
+            (tmp_path / "train.tsv").write_text("".join("\t".join(row) + "\n" for row in scored), encoding="utf-8")
+            columns = ["--columns", "1,2,3"]
+        elif case == "nan_label":
+            write_tsv(tmp_path / "train.tsv", header, [*scored[:1], (*scored[1][:3], "nan"), *scored[2:]])
+    elif case == "integer_labels":
+        write_tsv(tmp_path / "train.tsv", header, [(*row[:3], str(i % 2)) for i, row in enumerate(train)])
+        write_tsv(tmp_path / "dev.tsv", header, [(*row[:3], "2") for row in dev])
     out = tmp_path / "out"
     rc = glue_cli.main(["--train", str(tmp_path / "train.tsv"), "--dev", str(tmp_path / "dev.tsv"),
                         *extra,
@@ -392,6 +408,7 @@ def test_glue_bad_input(glue_tsvs, text_bin, tmp_path, capsys, case, expected):
     assert rc == 1 and err.startswith("error: "), err
     for needle in expected:
         assert needle in err, err
+    assert case != "integer_labels" or "--regression" not in err, err
     assert not out.exists() and leftovers(tmp_path) == []
 
 
