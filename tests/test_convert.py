@@ -146,7 +146,8 @@ def test_convert_a_roberta_saved_as_released(roberta, tmp_path):
 
     state = torch.load(roberta, map_location="cpu", weights_only=False)
     old = released_layout(state["model"])
-    args = argparse.Namespace(**dict(convert.teacher_config(state), arch="roberta_base", task="masked_lm", bpe="gpt2"))
+    args = argparse.Namespace(**dict(convert.teacher_config(state), arch="roberta_base", task="masked_lm", bpe="gpt2",
+                                     mask_prob=0.2))  # a task setting of the flat legacy args
     released = tmp_path / "released"
     released.mkdir()
     torch.save({"args": args, "model": old, "optimizer_history": [{"num_updates": 40}], "extra_state": {},
@@ -158,6 +159,7 @@ def test_convert_a_roberta_saved_as_released(roberta, tmp_path):
     assert current["model"].keys() == converted["model"].keys()
     assert all(torch.equal(current["model"][k], converted["model"][k]) for k in current["model"])
     assert converted["cfg"]["bpe"]["_name"] == "gpt2" and current["cfg"]["bpe"] is None
+    assert converted["cfg"]["task"]["mask_prob"] == 0.2 and current["cfg"]["task"]["mask_prob"] == 0.15
     from lion_fairseq.check_checkpoint import explain
 
     for teacher in (roberta, released / "model.pt"):  # the dataclass config's Namespace, and legacy args
