@@ -91,10 +91,54 @@ def test_demo_second_run_reuses_the_workdir(first_run):
     assert "sampled (top-10): " + first["generate"]["sampled"] in again
 
 
+def test_demo_scores_a_checkpoint_that_changed_again(first_run):
+    """An evaluation is reused only for the checkpoint it scored. A model retrained (after Ctrl-C, or a lost
+    file) by the same command is another checkpoint, as training runs for --minutes: its losses were those of
+    the checkpoint before, printed as "(reused; same checkpoint)"."""
+    import torch
+
+    workdir, out = first_run
+    path = workdir / "lm" / "checkpoint_best.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    torch.manual_seed(0)
+    for name, tensor in state["model"].items():
+        if tensor.is_floating_point():
+            tensor.add_(torch.randn_like(tensor) * 0.5)
+    torch.save(state, path)
+    again = demo(workdir, *DEMO_ARGS).stdout
+    assert again.count("(reused; same checkpoint)") == 3 and "$ fairseq-eval-lm" in again  # the MLM's reused
+    assert all(losses(again)[("LM", f)] != losses(out)[("LM", f)] for f in FORMS), (losses(again), losses(out))
+
+
+def test_demo_commands_stop_as_ctrl_c_stops_them_and_get_the_threads_asked(tmp_path):
+    """A child the demo leaves (Ctrl-C) gets Ctrl-C first: preprocess removes its staging folder on it, and
+    was killed outright (a hidden .data-bin.partial-* left beside the data). --threads reaches every command."""
+    from lion_fairseq.demo.commands import run
+
+    cleaned = tmp_path / "cleaned"
+    child = ("import signal, sys, time\n"
+             f"signal.signal(signal.SIGINT, lambda *a: (open({str(cleaned)!r}, 'w').close(), sys.exit(130)))\n"
+             "print('started', flush=True)\n"
+             "time.sleep(60)\n")
+
+    def interrupt(line: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run([sys.executable, "-c", child], tmp_path / "child.log", on_line=interrupt)
+    assert cleaned.exists()
+    out, _ = run([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], tmp_path / "t.log",
+                 threads=3)
+    assert out.strip() == "3"
+
+
 def test_demo_refuses_bad_options_and_foreign_folders(tmp_path, capsys):
     from lion_fairseq.demo.cli import main
 
+    (tmp_path / "a_file").write_text("")
     cases = [
+        # a folder that cannot be made: one line, not a traceback
+        (["--workdir", str(tmp_path / "a_file" / "w")], "Not a directory (pass a --workdir you can write to)"),
         (["--corpus", str(tmp_path / "missing.txt")], "--corpus: no such file"),
         (["--minutes", "0"], "--minutes must be a positive number"),
         (["--mask-prompt", "no mask here"], "--mask-prompt needs exactly one <mask>"),

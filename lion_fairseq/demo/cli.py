@@ -132,7 +132,8 @@ class Demo:
             print(f"  reusing {shown([str(self.data)])} (same corpus and options)")
         else:
             self.work.forget("data")
-            out, seconds = run(argv, self.work.root / "logs" / "preprocess.log", what="preprocessing")
+            out, seconds = run(argv, self.work.root / "logs" / "preprocess.log", what="preprocessing",
+                               threads=self.args.threads)
             summary = [line for line in out.splitlines() if line.startswith("done:")]
             print("  " + (summary[-1] if summary else f"wrote {self.data}") + f" ({seconds:.0f}s)")
             self.work.record("data", key)
@@ -142,8 +143,8 @@ class Demo:
         return key
 
     # -- 3, 4: training ---------------------------------------------------------------------------
-    def train(self, n: int, model: Model, data_key: str) -> str:
-        """``fairseq-train`` one model into ``<workdir>/<mlm|lm>/`` (or reuse it); returns the stage's key."""
+    def train(self, n: int, model: Model, data_key: str) -> None:
+        """``fairseq-train`` one model into ``<workdir>/<mlm|lm>/`` (or reuse it)."""
         step(n, f"training the {model.title} {model.arch} (fairseq-train, "
                 f"{self.args.minutes:g} min{f' or {self.args.max_update} updates' if self.args.max_update else ''})")
         save_dir = self.work.root / model.name
@@ -162,6 +163,7 @@ class Demo:
             remove_tree(tb)
             progress = Progress(model.name.upper(), self.args.minutes)
             _, seconds = run(argv, self.work.root / "logs" / f"train_{model.name}.log", on_line=progress,
+                             threads=self.args.threads,
                              what=f"training the {model.title}")
             if not checkpoint.exists():
                 raise DemoError(f"fairseq-train finished without writing {checkpoint}")
@@ -170,22 +172,24 @@ class Demo:
                   f"{progress.best if progress.best is not None else float('nan'):.3f} -> {shown([str(checkpoint)])}")
             self.work.record(model.name, key, **record)
         self.results[model.name] = {"arch": model.arch, "checkpoint": str(checkpoint), "updates": record["updates"]}
-        return key
 
     # -- 5: evaluation in each form ---------------------------------------------------------------
-    def evaluate(self, model: Model, train_key: str) -> Dict[str, float]:
+    def evaluate(self, model: Model) -> Dict[str, float]:
         """Validation loss (bits per token) of ``model``'s best checkpoint in each form: ``{form: loss}``."""
         checkpoint = self.work.root / model.name / CHECKPOINT
+        # the checkpoint's bytes, not the training command: a run trains for --minutes, so the same command
+        # retrained (after Ctrl-C, or a lost file) makes another checkpoint
+        scored = fingerprint(files=[checkpoint])
         losses = {}
         for form in evaluate.FORMS:
             argv = evaluate.eval_command(model, self.data, self.user_dir, checkpoint, form, self.args.batch_size)
             stage = f"eval_{model.name}_{form}"
-            key = fingerprint(stage, train_key, argv)
+            key = fingerprint(stage, scored, argv)
             record = self.work.done(stage, key)
             if record:
                 print(f"  {model.name.upper():3} {form:9} loss {record['loss']:.4f}  (reused; same checkpoint)")
             else:
-                out, seconds = run(argv, self.work.root / "logs" / f"{stage}.log",
+                out, seconds = run(argv, self.work.root / "logs" / f"{stage}.log", threads=self.args.threads,
                                    what=f"evaluating the {model.title} ({form})")
                 try:
                     loss = evaluate.parse_loss(model, out)
@@ -267,11 +271,15 @@ def main(argv: Optional[List[str]] = None) -> None:
             files = demo.corpus()
         except ValueError as e:
             raise DemoError(str(e)) from None
+        except OSError as e:  # a folder that cannot be written, most often the --workdir
+            raise DemoError(f"{e.filename or args.workdir}: {e.strerror or e} (pass a --workdir you can write to)") \
+                from None
         data_key = demo.preprocess(files)
-        train_keys = {MLM.name: demo.train(3, MLM, data_key), LM.name: demo.train(4, LM, data_key)}
+        for n, model in ((3, MLM), (4, LM)):
+            demo.train(n, model, data_key)
         step(5, "validation loss of each checkpoint in each --lion-form (fairseq-validate / fairseq-eval-lm "
                 "with --model-overrides)")
-        losses = {m.name: demo.evaluate(m, train_keys[m.name]) for m in (MLM, LM)}
+        losses = {m.name: demo.evaluate(m) for m in (MLM, LM)}
         demo.use()
         png = demo.plot()
         seconds = time.time() - start

@@ -5,6 +5,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,18 +62,35 @@ def shown(argv: Sequence[str]) -> str:
     return " ".join(_quote(a) for a in out)
 
 
-def _env() -> dict:
+def _env(threads: Optional[int]) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if threads is not None:  # torch in the child reads them as it starts
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     # `python -m preprocess.text` lives in the checkout root, beside lion_fairseq/
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     return env
 
 
+def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End a child the demo is leaving: Ctrl-C first, as a terminal gives it (preprocess removes its staging
+    folder on it), then a kill where it has not ended within ``grace_s`` or Ctrl-C comes again."""
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=grace_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def run(argv: Sequence[str], log: Path, on_line: Optional[Callable[[str], None]] = None,
-        what: str = "command") -> Tuple[str, float]:
-    """Run ``argv``, writing stdout+stderr to ``log`` and passing each line to ``on_line`` (for progress).
-    Returns (the whole output, seconds it took); raises :class:`DemoError` with the output's tail when it
-    fails."""
+        what: str = "command", threads: Optional[int] = None) -> Tuple[str, float]:
+    """Run ``argv`` (on ``threads`` CPU threads, if given), writing stdout+stderr to ``log`` and passing each
+    line to ``on_line`` (for progress). Returns (the whole output, seconds it took); raises
+    :class:`DemoError` with the output's tail when it fails."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  $ {shown(argv)}", flush=True)
     lines: List[str] = []
@@ -80,7 +98,7 @@ def run(argv: Sequence[str], log: Path, on_line: Optional[Callable[[str], None]]
     with open(log, "w", encoding="utf-8") as fh:
         fh.write(f"$ {shown(argv)}\n")
         proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", env=_env(), bufsize=1)
+                                errors="replace", env=_env(threads), bufsize=1)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -90,8 +108,7 @@ def run(argv: Sequence[str], log: Path, on_line: Optional[Callable[[str], None]]
                     on_line(line.rstrip("\n"))
             rc = proc.wait()
         except BaseException:  # Ctrl-C: do not leave the child running on its own
-            proc.kill()
-            proc.wait()
+            stop(proc)
             raise
     seconds = time.time() - start
     if rc != 0:
