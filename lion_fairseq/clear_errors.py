@@ -102,11 +102,13 @@ def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
     others = intact_checkpoints(path)
     hint = (f" Intact checkpoints next to it, newest first (python -m lion_fairseq.check_checkpoint reads "
             f"one): {', '.join(others)}." if others else "")
+    first = (str(error).split(". ")[0] or "empty file")[:160]
     return (f"cannot read checkpoint {path} ({size} bytes): the file is truncated or corrupt "
-            f"({type(error).__name__}: {(str(error).split('. ')[0] or 'empty file')[:160]}). This happens when a run is killed "
-            "while it writes or copies a checkpoint, or when a copy is incomplete. fairseq-train resumes from "
-            "<save-dir>/checkpoint_last.pt: delete or replace that file with an intact checkpoint_<epoch>_<update>.pt, "
-            f"or pass --restore-file <an intact checkpoint>.{hint}")
+            f"({type(error).__name__}: {first}). This happens when a run is "
+            "killed while it writes or copies a checkpoint, or when a copy is incomplete. fairseq-train resumes from "
+            "<save-dir>/checkpoint_last.pt: copy an intact checkpoint_<epoch>_<update>.pt over it, or pass "
+            "--restore-file <an intact checkpoint> (deleting it would start the run afresh, over the checkpoints "
+            f"beside it).{hint}")
 
 
 def refused_object_message(path: str, error: BaseException) -> str:
@@ -1058,14 +1060,18 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
                 "a checkpoint file in it (its checkpoint_last.pt, say)")
     resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
                                                          "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
+    # fairseq reads any other name than the default from the current folder, not from --save-dir
+    beside = os.path.join(str(getattr(checkpoint_cfg, "save_dir", "") or ""), filename)
+    relative = (f" (a relative path is read from the current folder, not --save-dir: pass --restore-file {beside}, "
+                "which exists)" if not os.path.isabs(filename) and os.path.isfile(beside) else "")
     if resets:
-        return (f"--restore-file {filename} does not exist. With {' '.join(resets)} the run starts from that "
-                "checkpoint, and fairseq would train from random weights instead: correct the path (or leave "
+        return (f"--restore-file {filename} does not exist{relative}. With {' '.join(resets)} the run starts from "
+                "that checkpoint, and fairseq would train from random weights instead: correct the path (or leave "
                 "--restore-file out to train from scratch)")
     if os.path.basename(filename) == "checkpoint_last.pt":
         return None
-    return (f"--restore-file {filename} does not exist, and fairseq would train from random weights instead: "
-            "correct the path, or leave --restore-file out to train from scratch (a run resumes from "
+    return (f"--restore-file {filename} does not exist{relative}, and fairseq would train from random weights "
+            "instead: correct the path, or leave --restore-file out to train from scratch (a run resumes from "
             "<save-dir>/checkpoint_last.pt without it)")
 
 

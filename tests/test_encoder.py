@@ -451,6 +451,13 @@ def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path
     assert missing_restore_file_message(Cfg.restore_file, Cfg) is None  # a first launch, spelled as a path
     Cfg.restore_file = str(tmp_path)  # the save dir, not a file in it
     assert "is a folder" in missing_restore_file_message(Cfg.restore_file, Cfg)
+    # a name relative to --save-dir, where fairseq reads it from the current folder: the file that exists is named
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / "checkpoint_1_5.pt").write_bytes(b"")
+    Cfg.restore_file, Cfg.save_dir = "checkpoint_1_5.pt", str(tmp_path / "run")
+    assert (f"does not exist (a relative path is read from the current folder, not --save-dir: pass --restore-file "
+            f"{tmp_path / 'run' / 'checkpoint_1_5.pt'}, which exists)") in missing_restore_file_message(
+                Cfg.restore_file, Cfg)
 
 
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):

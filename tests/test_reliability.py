@@ -597,6 +597,8 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
         msg = str(err.value)
         assert "truncated or corrupt" in msg and f"({size} bytes)" in msg and "--restore-file" in msg
         assert str(intact) in msg and str(cut) not in msg  # the complete checkpoint is named, not the cut one
+        # deleting checkpoint_last.pt restarts the run from scratch over the intact ones: not the advice
+        assert "copy an intact checkpoint_<epoch>_<update>.pt over it" in msg and "delete or" not in msg
         # so do the plugin's own readers (python -m lion_fairseq.convert, --teacher, check_checkpoint)
         with pytest.raises(clear_errors.CheckpointError, match="truncated or corrupt"):
             clear_errors.load_checkpoint_file(str(broken))
