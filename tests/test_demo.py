@@ -86,6 +86,7 @@ def test_demo_second_run_reuses_the_workdir(first_run):
     again = demo(workdir, *DEMO_ARGS).stdout
     assert "$ " not in again, "a second run with the same options ran a command again"
     assert again.count("reusing") == 3 and again.count("(reused; same checkpoint)") == 6
+    assert re.search(r"demo took \d+ s$", again.rstrip()), again[-200:]  # not "0.0 min"
     assert losses(again) == losses(out)
     # the hub steps run again (cheap, in this process) with the same seed: the same text
     assert "sampled (top-10): " + first["generate"]["sampled"] in again

@@ -252,7 +252,8 @@ def summary(demo: Demo, losses: Dict[str, Dict[str, float]], png: Path, seconds:
         print(f"fill-mask: {best['filled']}  (p={best['prob']:.3f})")
     print(f"generated: {demo.results['generate']['sampled']}")
     print(f"loss curves: {shown([str(png)])}   (live view: tensorboard --logdir {shown([str(demo.tensorboard)])})")
-    print(f"everything in {shown([str(demo.work.root)])}; demo took {seconds / 60:.1f} min")
+    took = f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"  # a run that reused everything
+    print(f"everything in {shown([str(demo.work.root)])}; demo took {took}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
