@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 
-
 def row_major(height: int, width: int) -> Tensor:
     """The identity ``(height * width,)`` long tensor."""
     return torch.arange(height * width)

@@ -3,8 +3,8 @@
 It trains with ``--task masked_lm --criterion masked_lm`` and fine-tunes with ``--task sentence_prediction
 --restore-file <mlm checkpoint>`` exactly like RoBERTa: it is a ``RobertaModel`` subclass with RoBERTa's
 LM head, classification heads and head reconciliation on load; only the encoder stack differs (LION
-attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, their ``_large`` and
-``_tiny`` sizes, and ``lion_retnet`` (= ``lion_d``). The config is a dataclass, so checkpoints reload under torch's
+attention instead of softmax attention). Archs: ``lion_{lit,d,s}``, their ``_large`` and ``_tiny`` sizes,
+and ``lion_retnet`` (= ``lion_d``). The config is a dataclass, so checkpoints reload under torch's
 ``weights_only`` default, and ``--model-overrides "{'lion_form': 'recurrent'}"`` switches the form.
 """
 import contextlib
