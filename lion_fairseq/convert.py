@@ -124,17 +124,22 @@ def trained_model(config: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]
     return arch, ARCH_MODEL_NAME_REGISTRY.get(arch)
 
 
+def passed(option: str, extra: List[str]) -> bool:
+    """Whether the user's options ``extra`` give ``option``, as ``--x v`` or ``--x=v``."""
+    return any(e == option or e.startswith(option + "=") for e in extra)
+
+
 def teacher_flags(config: Dict[str, Any], target: Target, extra: List[str]) -> List[str]:
     """The command-line options that give the LION model its teacher's sizes and structure, leaving out
     any the user passed (in either spelling of a switch)."""
     flags: List[str] = []
     for key, options in target.values.items():
         for option in options:
-            if config.get(key) is not None and option not in extra:
+            if config.get(key) is not None and not passed(option, extra):
                 flags += [option, str(config[key])]
     for key, options in target.switches.items():
         value = config.get(key)
-        if value is None or any(o in extra for o in options):
+        if value is None or any(passed(o, extra) for o in options):
             continue
         if value:
             flags.append(options[0])
@@ -215,7 +220,7 @@ def teacher_task_settings(state: Dict, target: Target, extra: List[str]) -> Dict
     for field in dataclasses.fields(TASK_DATACLASS_REGISTRY[name]):
         option = "--" + field.name.replace("_", "-")
         interpolated = isinstance(field.default, str) and field.default.startswith("${")
-        given = any(e == option or e.startswith(option + "=") for e in extra)
+        given = passed(option, extra)
         left_out = field.name in ("_name", "data") or field.name.startswith("eval_")
         if field.name in task and not (left_out or interpolated or given or option in sized):
             settings[field.name] = task[field.name]
@@ -234,7 +239,7 @@ def check_dictionaries(data: str, target: Target, config: Dict[str, Any], extra:
     for pattern in target.dictionaries:
         missing = [field for _, field, _, _ in string.Formatter().parse(pattern) if field and config.get(field) is None]
         if missing:
-            given = any(option in extra for name in missing
+            given = any(passed(option, extra) for name in missing
                         for option in target.values.get(name, ()) + LANGUAGE_SHORT.get(name, ()))
             if not given and infer_language_pair(data) == (None, None):
                 found = sorted(f for f in os.listdir(data) if re.fullmatch(r"dict\..+\.txt", f))

@@ -637,6 +637,9 @@ def test_teacher_flags_leave_out_the_switches_the_user_gave_in_either_spelling()
     assert teacher_flags({"decoder_normalize_before": True}, lm, []) == ["--decoder-normalize-before"]
     assert teacher_flags({"decoder_normalize_before": True}, lm, ["--no-decoder-normalize-before"]) == []
     assert teacher_flags({"decoder_normalize_before": False}, lm, ["--decoder-normalize-before"]) == []
+    # a size given as --x=v is the user's too (the teacher's printed beside it, the later one winning)
+    assert teacher_flags({"decoder_layers": 2}, lm, []) == ["--decoder-layers", "2"]
+    assert teacher_flags({"decoder_layers": 2}, lm, ["--decoder-layers=3"]) == []
 
 
 def test_check_checkpoint_says_why_a_teacher_cannot_convert(transformer_lm, tmp_path):
