@@ -146,7 +146,7 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         ``T' = 1`` for a decoding step after the prefill and ``T' = T`` otherwise."""
         tokens = prev_output_tokens
         stepping = incremental_state is not None and len(self.layers) > 0 and bool(
-            self.layers[0].self_attn.get_incremental_state(incremental_state, "lion_state"))
+            self.layers[0].self_attn.decoding_state(incremental_state))
         if stepping:  # every earlier token is already in the layers' state (S, z), the only state kept
             tokens = tokens[:, -1:]
         pad = tokens.eq(self.padding_idx)

@@ -304,10 +304,14 @@ class LionAttention(nn.Module):
             y = y * F.silu(self.out_gate(x)).to(y.dtype)
         return self.out_proj(y)
 
+    def decoding_state(self, incremental_state: Optional[IncrementalState]) -> Dict[str, Tensor]:
+        """The ``(S, z)`` the last prefill or decoding step saved (``{"S", "z"}``), ``{}`` before the first."""
+        return (self.get_incremental_state(incremental_state, "lion_state") or {}) if incremental_state else {}
+
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, log_lam: Optional[Tensor],
                 key_padding_mask: Optional[Tensor], incremental_state) -> Tensor:
         B, H, T, _ = q.shape
-        saved = self.get_incremental_state(incremental_state, "lion_state") or {}
+        saved = self.decoding_state(incremental_state)
         lam = log_lam.expand(B, H, T) if log_lam is not None else None
         # the state is kept as the next token reads it, with the last token's own gate applied
         # (log_a_fwd[t] = log lambda_{t-1}): (S, z) is all there is, and a step adds its key to it

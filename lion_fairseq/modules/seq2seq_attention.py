@@ -35,7 +35,7 @@ class LionSelfAttention(LionAttention):
 
     # the decoder layer reads the buffer (for cross_self_attention, which LION does not use)
     def _get_input_buffer(self, incremental_state: Optional[IncrementalState]) -> Dict[str, Optional[Tensor]]:
-        return (self.get_incremental_state(incremental_state, "lion_state") or {}) if incremental_state else {}
+        return self.decoding_state(incremental_state)
 
     def _set_input_buffer(self, incremental_state: IncrementalState, buffer: Dict[str, Optional[Tensor]]):
         return self.set_incremental_state(incremental_state, "lion_state", buffer)
