@@ -179,6 +179,20 @@ def test_kernel_16bit_causal_and_unnormalised(dtype, causal, normalize):
                             tol_gate=1e-3)
 
 
+@pytest.mark.parametrize("gates,causal", [("token", False), ("none", True)])
+def test_kernel_float16_scores_past_float16s_range(gates, causal):
+    """Scores q.k past float16's 65504 (unnormalised features of about 30 at head size 64, as LION-LIT's
+    elu + 1 can reach) stay finite in the in-chunk product with v, as in the PyTorch forms (before: they
+    were rounded to float16 operands there, inf, and the output NaN)."""
+    q, k, v, f, b = make_inputs(40, gates, D=16, seed=3, dtype=torch.float64)
+    q, k = 120 * q, 120 * k  # q.k about 7e4 on average, up to 1.2e5
+    assert (q @ k.transpose(-1, -2)).max() > 65504
+    inputs = [x.half() for x in (q, k, v)] + [None if x is None else x.float() for x in (f, b)]
+    kw = dict(key_padding_mask=padding(40), causal=causal)
+    check_against_reference(lambda *x: kernel(*x, segment_chunks=1, **kw), inputs, kw, 5e-3, 5e-3, rms=True,
+                            tol_gate=1e-3)
+
+
 def test_y_kept_as_a_pair_only_for_a_backward(monkeypatch):
     """The second half of y's pair is written at the end of the forward only where a backward will read
     it: not under torch.no_grad (inference, fairseq's validation), where autograd still reports inputs that

@@ -58,8 +58,9 @@ row by row: inside a chunk from P, and from earlier chunks through a second stat
 
 Products: float32 inputs multiply in TF32 where torch allows it for matmuls (``tf32_matmuls``), else
 in three TF32 products each (``tf32x3``: about float32's accuracy, on tensor cores); 16-bit inputs multiply in their dtype on tensor cores with float32 accumulation, except that float16
-products that read a state (whose entries grow with L past float16's range) or take do (``dy/(d+eps)``,
-past float16's range where a row sum is below eps, as in a padded row) run in float32. Under Triton's
+products that read a state (whose entries grow with L past float16's range), take do (``dy/(d+eps)``,
+past float16's range where a row sum is below eps, as in a padded row) or take the in-chunk scores (q.k of
+unnormalised features passes 65504) run in float32. Under Triton's
 CPU interpreter, which multiplies bfloat16 on its raw bits, bfloat16 products run in float32. Rounding
 the operands shows where gradients are small residues of terms that cancel: in rows that are nearly their
 own diagonal term (strong decay), dq comes out to 2e-3 of its size in float16 against the PyTorch form's
@@ -445,7 +446,8 @@ def _forward_walk(Q, K, V, G, PAD, Y, YL, DEN, S0, Z0,
         keep, k, v = _kept(k, v, valid, padb, HAS_PAD)
         hi, lo, read, own, decay = _decays(g)
         A = _mm(q, tl.trans(k), DT, PREC) * _in_chunk_decay(hi, lo, C, STRICT, HAS_GATE)
-        num = _mm(A, v, DT, PREC) + read[:, None] * _mm(q, S, SDT, PREC)
+        # SDT: float16 operands would overflow where q.k passes 65504
+        num = _mm(A, v, SDT, PREC) + read[:, None] * _mm(q, S, SDT, PREC)
         den = tl.sum(A, 1) + read * tl.sum(q.to(tl.float32) * z[None, :], 1)
         ks = k.to(tl.float32) * own[:, None]
         S = decay * S + _mm(tl.trans(ks), v, DT, PREC)
