@@ -278,6 +278,24 @@ def is_lion_config(model_cfg: Any) -> bool:
     return isinstance(name, str) and bool(_options_of(name))
 
 
+def _as_built(model_cfg: Any) -> Any:
+    """A copy of a LION model config with what its arch function fills where it holds None: under
+    fairseq-hydra-train (``model._name: lion_lm``) the model fills its defaults into a copy at build time, and
+    the config saved beside the weights keeps None where fairseq-train's ``--arch lion_lm`` saved the value."""
+    from types import SimpleNamespace
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+    from omegaconf import OmegaConf
+
+    items = (OmegaConf.to_container(model_cfg, resolve=False) if OmegaConf.is_config(model_cfg)
+             else dict(model_cfg) if isinstance(model_cfg, dict) else dict(vars(model_cfg)))
+    copy = SimpleNamespace(**{key: value for key, value in items.items() if isinstance(key, str)})
+    fill = ARCH_CONFIG_REGISTRY.get(items.get("_name") or items.get("arch"))
+    if fill is not None:
+        fill(copy)  # not an argparse.Namespace: no command-line checks
+    return copy
+
+
 def changed_since_training(trained: Any, building: Any) -> List[str]:
     """What the LION model config ``building`` gives otherwise than the checkpoint's ``trained``, as
     'trained -> now': the ``FIXED_BY_TRAINING`` options and head counts of a LION checkpoint, the
@@ -286,6 +304,8 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
 
     if trained is None or not is_lion_config(building):
         return []
+    building = _as_built(building)
+    trained = _as_built(trained) if is_lion_config(trained) else trained
     changes = []
     for key in (*FIXED_BY_TRAINING, *HEADS) if is_lion_config(trained) else TEACHER_STRUCTURE:
         was, now = built_value(trained, key), built_value(building, key)
@@ -1045,6 +1065,20 @@ def load_error_message(model: torch.nn.Module, state_dict: Dict[str, torch.Tenso
                "Pass the checkpoint's own --arch and size options."))
 
 
+def _from_launch_folder(filename: str) -> Optional[str]:
+    """Under fairseq-hydra-train, which runs in hydra's run folder (``hydra.run.dir``): the relative path
+    ``filename`` read from the folder it was launched from, where a file is there; else None."""
+    if os.path.isabs(filename) or not launched_by_hydra():
+        return None
+    try:
+        from hydra.utils import get_original_cwd
+
+        launched = os.path.join(get_original_cwd(), filename)
+    except (ImportError, ValueError):  # hydra not set up in this process (a spawned rank)
+        return None
+    return launched if os.path.isfile(launched) else None
+
+
 def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional[str]:
     """What to say where fairseq would train from random weights because ``--restore-file`` names a file that
     does not exist. A missing ``checkpoint_last.pt`` (the default, or a path ending in that name) is how a
@@ -1055,6 +1089,11 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
     if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" \
             or PathManager.isfile(filename):
         return None
+    launched = _from_launch_folder(filename)
+    if launched:  # also for a checkpoint_last.pt: the user's file is there, and would be passed over
+        return (f"--restore-file {filename} does not exist in hydra's run folder {os.getcwd()}, which is where "
+                "fairseq-hydra-train reads a relative path from, and fairseq would train from random weights instead: "
+                f"pass its absolute path, {launched}")
     if os.path.isdir(filename):
         return (f"--restore-file {filename} is a folder, and fairseq would train from random weights instead: pass "
                 "a checkpoint file in it (its checkpoint_last.pt, say)")

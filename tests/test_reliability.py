@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import lion_fairseq  # noqa: F401  (registers the models and installs the clear errors, as --user-dir does)
-from conftest import ROOT, USER_DIR, build_model as build, training_args
+from conftest import ROOT, USER_DIR, build_model as build, fairseq_cli, training_args
 from lion_fairseq import check_checkpoint, clear_errors
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -491,6 +491,43 @@ checkpoint: {{save_dir: {tmp_path / 'ckpt'}, no_epoch_checkpoints: true}}
     assert proc.returncode != 0 and "cannot resume" in proc.stderr, proc.stderr[-3000:]
     assert "--lion-feature-map silu_norm -> --lion-feature-map elu" in proc.stderr
     assert "(--reset-optimizer: checkpoint.reset_optimizer=true)" in proc.stderr
+
+
+def test_a_run_moves_between_fairseq_hydra_train_and_fairseq_train(text_data_bin, tmp_path):
+    """A hydra config naming the model (``_name: lion_lm``) and leaving the variant and the heads to it saves
+    None for them, where ``fairseq-train --arch lion_lm`` saves s and 8: the same model, which resumes under
+    the other launcher (it was refused as 'trained as another model'). And a relative restore file that hydra
+    would read from its run folder, passing over the user's file, is refused naming the file."""
+    config = tmp_path / "lm.yaml"
+    config.write_text(f"""# @package _group_
+common: {{user_dir: {USER_DIR}, cpu: true, seed: 3, log_format: json, log_interval: 1}}
+task: {{_name: language_modeling, data: {text_data_bin}, tokens_per_sample: 32}}
+model: {{_name: lion_lm, decoder_layers: 2, decoder_embed_dim: 64, decoder_ffn_embed_dim: 128}}
+criterion: {{_name: cross_entropy}}
+optimizer: {{_name: adam}}
+lr_scheduler: {{_name: fixed}}
+optimization: {{lr: [0.003], max_update: 2}}
+dataset: {{batch_size: 4, num_workers: 0, disable_validation: true}}
+checkpoint: {{save_dir: {tmp_path / 'run'}, no_epoch_checkpoints: true}}
+""")
+    hydra = [sys.executable, "-m", "fairseq_cli.hydra_train", "--config-dir", str(tmp_path), "--config-name", "lm"]
+    proc = subprocess.run([*hydra, f"hydra.run.dir={tmp_path / 'hydra'}"], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
+                "lion_lm", "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
+                "--tokens-per-sample", "32", "--batch-size", "4", "--optimizer", "adam", "--lr", "0.003",
+                "--max-update", "3", "--disable-validation", "--no-epoch-checkpoints", "--cpu", "--seed", "3",
+                "--save-dir", str(tmp_path / "run"))
+    assert torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["optimizer_history"][-1][
+        "num_updates"] == 3
+    # from tmp_path, run/checkpoint_last.pt names that file; hydra reads it from hydra.run.dir, where it is not
+    proc = subprocess.run([*hydra, f"hydra.run.dir={tmp_path / 'hydra2'}", f"checkpoint.save_dir={tmp_path / 'new'}",
+                           "checkpoint.restore_file=run/checkpoint_last.pt", "optimization.max_update=4"],
+                          env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and f"pass its absolute path, {tmp_path / 'run' / 'checkpoint_last.pt'}" in \
+        proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").glob("*.pt"))
 
 
 def test_hydra_model_name_of_an_arch_keeps_the_dataclass_defaults(text_data_bin):
