@@ -1079,6 +1079,25 @@ def _from_launch_folder(filename: str) -> Optional[str]:
     return launched if os.path.isfile(launched) else None
 
 
+SAVED_NAMES = re.compile(r"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_.+)\.pt")  # what fairseq-train writes
+
+
+def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
+    """What to say where ``--finetune-from-model`` names a file in ``--save-dir`` that fairseq-train writes
+    there (fairseq's default ``checkpoints`` for both runs, say): the run would save over it, and where the
+    folder holds a checkpoint_last.pt fairseq resumes that instead of fine-tuning. None otherwise."""
+    pretrained = getattr(checkpoint_cfg, "finetune_from_model", None)
+    save_dir = str(getattr(checkpoint_cfg, "save_dir", "") or "")
+    if not pretrained or not SAVED_NAMES.fullmatch(os.path.basename(pretrained)) \
+            or os.path.dirname(os.path.abspath(pretrained)) != os.path.abspath(save_dir):
+        return None
+    last = os.path.join(save_dir, "checkpoint_last.pt")
+    resumed = (f"; and fairseq resumes {last} instead, the run that is there, without fine-tuning from it"
+               if os.path.isfile(last) else "")
+    return (f"--finetune-from-model {pretrained} lies in --save-dir {save_dir}, under a name this run writes: it "
+            f"would save over it{resumed}. Pass a new --save-dir for the fine-tuned model")
+
+
 def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional[str]:
     """What to say where fairseq would train from random weights because ``--restore-file`` names a file that
     does not exist. A missing ``checkpoint_last.pt`` (the default, or a path ending in that name) is how a
@@ -1086,6 +1105,9 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
     to start from it; any other missing file is a wrong path."""
     from fairseq.file_io import PathManager
 
+    if os.path.isdir(filename) and filename == getattr(checkpoint_cfg, "finetune_from_model", None):
+        return (f"--finetune-from-model {filename} is a folder, and fairseq would train from random weights instead: "
+                "pass a checkpoint file in it (its checkpoint_best.pt, say)")
     if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" \
             or PathManager.isfile(filename):
         return None
@@ -1211,6 +1233,9 @@ def _wrap_trainer_load_checkpoint(original):
     ``--max-update`` ends there, with status 0, instead of training an update more."""
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
+        refused = finetune_in_save_dir_message(self.cfg.checkpoint)
+        if refused:
+            raise CheckpointError(in_launchers_terms(refused))
         missing = missing_restore_file_message(filename, self.cfg.checkpoint)
         if missing:
             raise FileNotFoundError(in_launchers_terms(missing))

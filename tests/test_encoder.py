@@ -460,6 +460,26 @@ def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path
                 Cfg.restore_file, Cfg)
 
 
+def test_finetune_from_a_folder_or_from_the_save_dir_is_refused(text_data_bin, tmp_path):
+    """--finetune-from-model naming a folder trained from random weights (fairseq took the folder for a
+    file, then found no checkpoint in it); naming checkpoint_best.pt in the --save-dir of the fine-tuning run
+    (fairseq's default `checkpoints` for both) resumed the pretraining run instead and saved over the file."""
+    run = [str(text_data_bin), *COMMON, "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "lion_s_tiny",
+           "--tokens-per-sample", "32", "--batch-size", "8", "--max-update", "1"]
+    fairseq_cli("train", *run, "--save-dir", str(tmp_path / "run"))
+    pretrained = tmp_path / "run" / "checkpoint_best.pt"
+    before = pretrained.read_bytes()
+    for given, save_dir, said in ((tmp_path / "run", tmp_path / "new", f"--finetune-from-model {tmp_path / 'run'} "
+                                   "is a folder, and fairseq would train from random weights instead"),
+                                  (pretrained, tmp_path / "run", f"--finetune-from-model {pretrained} lies in "
+                                   f"--save-dir {tmp_path / 'run'}, under a name this run writes: it would save over "
+                                   f"it; and fairseq resumes {tmp_path / 'run' / 'checkpoint_last.pt'} instead")):
+        with pytest.raises(AssertionError) as failed:
+            fairseq_cli("train", *run[:-1], "3", "--save-dir", str(save_dir), "--finetune-from-model", str(given))
+        assert said in str(failed.value)
+    assert pretrained.read_bytes() == before and not list((tmp_path / "new").glob("*.pt"))
+
+
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):
     from lion_fairseq.clear_errors import first_difference
 
