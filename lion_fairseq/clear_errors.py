@@ -483,12 +483,25 @@ def tpu_message(common: Any) -> Optional[str]:
             "user_dir_examples/hydra); fairseq-train's --fp16 and --amp train in float16 instead, on GPUs")
 
 
+def fp16_without_cuda_message(common: Any) -> Optional[str]:
+    """Where fairseq-train ``--fp16`` would stop in its FP16Optimizer with "Torch not compiled with CUDA
+    enabled" (or "no NVIDIA driver"), what to do; else None. ``--memory-efficient-fp16`` and ``--amp`` run on
+    CPUs, and LION's hydra configs set ``common.fp16: true``."""
+    if not getattr(common, "fp16", False) or getattr(common, "memory_efficient_fp16", False) \
+            or torch.cuda.is_available():
+        return None
+    return ("--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU, and torch sees none here: leave "
+            "--fp16 out to train in float32 on CPUs (with --cpu), or train in bfloat16 with fairseq-hydra-train "
+            "common.bf16=true common.cpu=true")
+
+
 def _wrap_trainer_init(original):
     @functools.wraps(original)
     def __init__(self, cfg, *args, **kwargs):
-        message = tpu_message(getattr(cfg, "common", cfg))  # cfg: a config, or a legacy Namespace
+        common = getattr(cfg, "common", cfg)  # cfg: a config, or a legacy Namespace
+        message = tpu_message(common) or fp16_without_cuda_message(common)
         if message:
-            raise ValueError(message)
+            raise ValueError(in_launchers_terms(message))
         original(self, cfg, *args, **kwargs)
     __init__.__lion_wrapped__ = True
     return __init__

@@ -373,6 +373,25 @@ def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path)
     assert typed.startswith("--memory-efficient-bf16 (which fairseq-train turns into --tpu)"), typed
 
 
+def test_fp16_without_a_gpu_names_what_runs(text_data_bin, tmp_path, monkeypatch):
+    """fairseq-train --fp16 on a machine without CUDA (LION's hydra configs set common.fp16: true) stopped in
+    fairseq's FP16Optimizer with a traceback ending "Torch not compiled with CUDA enabled"; it stops naming
+    float32 and bf16. --memory-efficient-fp16 (which sets --fp16) and --amp run on CPUs, and a GPU runs all."""
+    from lion_fairseq.clear_errors import fp16_without_cuda_message
+
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
+                           "--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--optimizer", "adam", "--lr",
+                           "0.001", "--criterion", "cross_entropy", "--batch-size", "4", "--max-update", "1",
+                           "--save-dir", str(tmp_path), "--cpu", "--fp16"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU" in last, \
+        proc.stderr[-2000:]
+    assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=True)) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=False)) is None
+
+
 def test_tpu_runs_are_left_to_fairseq_where_torch_xla_is(monkeypatch):
     """On a TPU host (torch_xla installed) --tpu and fairseq-train's --bf16 run fairseq's TPU code: the
     plugin refuses them only without torch_xla."""
