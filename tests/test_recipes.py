@@ -403,6 +403,9 @@ def test_lra_recipe_takes_the_recipes_precision_and_refuses_another_kind_of_arch
     image = ["bash", RECIPES / "lra/train.sh", "image", tmp_path, tmp_path / "ckpt"]
     args = run_stub(stub_bin, image, PRECISION="fp32")
     assert option(args, "--lr-period-updates") == str(35000 - 175) and option(args, "--max-update") == "35000"
+    # LION-D/S read the grid in two snakes by default; LION-LIT, without decay, row by row
+    assert option(args, "--lion-order") == "two_snake"
+    assert option(run_stub(stub_bin, image, PRECISION="fp32", VARIANT="lit"), "--lion-order") == "row_major"
     assert "MAX_UPDATE (5) must exceed WARMUP_UPDATES (5)" in run_stub(stub_bin, image, ok=False, PRECISION="fp32",
                                                                        MAX_UPDATE="5", WARMUP_UPDATES="5")
     assert "VARIANT must be lit, d or s; got 'retnet'" in run_stub(stub_bin, argv, ok=False, VARIANT="retnet")

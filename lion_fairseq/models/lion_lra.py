@@ -17,6 +17,7 @@ like for like; ``lion_{lit,d,s}_lra_small`` is the smaller 2-layer, 64-dim LRA s
 Nystromformer/Skyformer studies, and ``lion_{lit,d,s}_lra_tiny`` is for tests. The config is a dataclass: checkpoints reload
 under torch's ``weights_only`` default and ``--model-overrides "{'lion_form': 'recurrent'}"`` works.
 """
+import argparse
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -98,7 +99,9 @@ class LionLRAModel(ClearLoadErrors, BaseFairseqModel):
     def _two_scan_layers(self, cfg: Any, height: int, width: int) -> None:
         """Swap every layer's attention for the two-snake one (same options, its own weights)."""
         kwargs = lion_attention_kwargs(cfg)
-        for layer in self.encoder.layers:
+        # by index: iterating fairseq's LayerDropModuleList (--encoder-layerdrop) in training mode skips layers
+        for i in range(len(self.encoder.layers)):
+            layer = self.encoder.layers[i]
             attn = LionTwoScanAttention(cfg.encoder_embed_dim, cfg.encoder_attention_heads, height=height,
                                         width=width, **kwargs)
             if cfg.attention_dropout > 0:  # the layer's dropout hook sits on the attention's out_proj
@@ -175,6 +178,11 @@ def lion_lra_base(args: Any) -> None:
     check_task(args)
     set_unset(args, DEFAULT_SIZE)
     set_unset_from(args, LionLRAConfig)
+    if isinstance(args, argparse.Namespace) and args.lion_order == "two_snake" and args.lion_variant == "lit":
+        # the command line only: a checkpoint trained so still loads (hydra and loading fill no Namespace)
+        raise ValueError("--lion-order two_snake averages the decay masks of a row and a column scan, and LION-LIT "
+                         "has no decay: both masks are all ones, the same model as row_major at twice the cost. Pass "
+                         "--lion-order row_major (or row_snake, col_snake) with LION-LIT, or a LION-D/S arch")
 
 
 model_name_arch("lion_lra", lion_lra_base)

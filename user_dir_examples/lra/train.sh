@@ -5,7 +5,8 @@
 # TASK: listops | text | retrieval | image | pathfinder | pathx; DATA_BIN: from python -m preprocess.lra.
 # Settings come from the environment (defaults in brackets):
 #   VARIANT [s]  lit | d | s      ARCH [lion_${VARIANT}_lra_${TASK}]  (lion_*_lra_small fits a CPU)
-#   ORDER [two_snake] for image, pathfinder, pathx: row_major | row_snake | col_snake | two_snake
+#   ORDER [two_snake; row_major for LION-LIT, which has no decay] for image, pathfinder, pathx:
+#         row_major | row_snake | col_snake | two_snake
 #   BATCH_SIZE, LR, MAX_UPDATE [the task's LRA budget, below]   LION_FORM [chunk]
 #   WARMUP_UPDATES [the budget's, or the same share of a shorter MAX_UPDATE]
 #   PRECISION [fp16 on GPU, fp32 on CPU; amp]   VALIDATE_INTERVAL [500]   LOG_INTERVAL [50]   SEED [1]
@@ -56,7 +57,10 @@ case "$ARCH" in
 esac
 ORDER_OPTS=()
 case "$TASK" in
-  image|pathfinder|pathx) ORDER_OPTS=(--lion-order "${ORDER:-two_snake}") ;;
+  image|pathfinder|pathx)
+    # two_snake averages two scans' decay masks: LION-LIT has none, so both would be all ones
+    case "$ARCH" in lion_lit_*) TWO_D_ORDER=row_major ;; *) TWO_D_ORDER=two_snake ;; esac
+    ORDER_OPTS=(--lion-order "${ORDER:-$TWO_D_ORDER}") ;;
   *) [ -z "${ORDER:-}" ] || die "ORDER orders the pixels of image, pathfinder and pathx; $TASK is a sequence already" ;;
 esac
 
