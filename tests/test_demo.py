@@ -156,6 +156,15 @@ def test_demo_refuses_bad_options_and_foreign_folders(tmp_path, capsys):
         main(["--workdir", str(foreign), "--fresh"])
     assert "was not made by the demo" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
+    # a demo's folder that holds the user's --corpus: --fresh removed both, then found no corpus
+    from lion_fairseq.demo.workdir import MARKER
+
+    (foreign / MARKER).write_text("")
+    with pytest.raises(SystemExit):
+        main(["--workdir", str(foreign), "--fresh", "--corpus", str(foreign / "notes.txt")])
+    assert f"--corpus {foreign / 'notes.txt'} lies inside --workdir {foreign}, which --fresh removes" in \
+        capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "keep me"
 
 
 def test_corpus_and_prompts(tmp_path):
