@@ -253,6 +253,15 @@ def check_dictionaries(data: str, target: Target, config: Dict[str, Any], extra:
             raise FileNotFoundError(f"no {name} in {data}: pass --data <the teacher's data folder, which holds {name}>")
 
 
+def converted_before(path: str) -> bool:
+    """Whether ``path`` is a checkpoint that a conversion wrote, which running it again may replace."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a checkpoint, or one that needs more than tensors and plain containers
+        return False
+    return isinstance(state, dict) and "converted_from" in (state.get("extra_state") or {})
+
+
 def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
             extra: Optional[List[str]] = None) -> Tuple[torch.nn.Module, List[str]]:
     """Writes the converted checkpoint to ``out``; returns the LION model (in eval mode) and the options
@@ -266,6 +275,10 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     if os.path.exists(out) and os.path.exists(checkpoint) and os.path.samefile(checkpoint, out):
         raise ValueError(f"the output {out} is the softmax checkpoint itself, which writing it would replace: "
                          "pass another path for the LION checkpoint")
+    if os.path.isfile(out) and not converted_before(out):
+        raise ValueError(f"the output {out} exists and was not written by this command (a trained checkpoint, say), "
+                         "and writing it would replace that: pass another path for the LION checkpoint, or remove "
+                         "the file first")
     # refused before the conversion runs, not by torch.save after it
     if os.path.isdir(out):
         raise ValueError(f"the output {out} is a folder: pass the LION checkpoint's file path, e.g. "

@@ -268,6 +268,16 @@ def test_convert_refuses_an_output_path_it_cannot_write_before_converting(robert
     assert convert.main([str(roberta), str(tmp_path), "--arch", "lion_d_tiny"]) == 2
     assert "is a folder: pass the LION checkpoint's file path" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+    # a conversion run again replaces its own file; any other file (a trained model: here the teacher's
+    # copy) is refused, not overwritten
+    assert convert.main([str(roberta), str(tmp_path / "lion.pt"), "--arch", "lion_d_tiny"]) == 0
+    assert convert.main([str(roberta), str(tmp_path / "lion.pt"), "--arch", "lion_d_tiny"]) == 0
+    trained = tmp_path / "trained.pt"
+    shutil.copy(roberta, trained)
+    before = trained.read_bytes()
+    assert convert.main([str(roberta), str(trained), "--arch", "lion_d_tiny"]) == 2
+    assert f"the output {trained} exists and was not written by this command" in capsys.readouterr().err
+    assert trained.read_bytes() == before
 
 
 def test_restore_file_of_another_models_optimizer_names_reset_optimizer(roberta, text_data_bin, tmp_path):
