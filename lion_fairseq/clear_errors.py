@@ -883,14 +883,27 @@ def left_out_message(split: str, total: int, covered: int, multiple: int) -> Opt
             "1 to evaluate them all")
 
 
-def all_skipped_message(split: Optional[str], samples: int, limit: Any) -> str:
+# the task option that cuts every sample to N tokens, by task
+CUT_TO = {"language_modeling": "--tokens-per-sample {n} or less", "masked_lm": "--tokens-per-sample {n} or less",
+          "sentence_prediction": "--max-positions {n} --shorten-method truncate"}
+
+
+def all_skipped_message(split: Optional[str], samples: int, limit: Any, task: Optional[str] = None,
+                        max_tokens: Optional[int] = None) -> str:
     """What to say where fairseq skipped every sample of ``split`` (None: a dataset of no split's name) as
-    longer than ``limit``."""
+    longer than ``limit``, the least of ``max_tokens`` and the task's and model's positions, in ``task``."""
     which = repr(split) if split else "the data"
+    n = limit if isinstance(limit, int) else "N"
+    if max_tokens is not None and limit == max_tokens:
+        fix = f"Pass a larger --max-tokens ({max_tokens} now)"
+    else:
+        cut = "--max-positions {n} (the task cuts every example to it)" if str(task).startswith("lra_") else \
+            CUT_TO.get(str(task), "shorter samples")
+        fix = f"Pass {cut.format(n=n)}" + (", or a larger --max-tokens" if max_tokens is not None else "")
     return (f"fairseq skipped every one of the {samples} samples of {which}: each is longer than {limit} tokens, "
             "the most this run takes (the least of --max-tokens and the task's and the model's positions; a LION-LIT "
             "model's learned positions end at the --max-positions or --max-target-positions it was built with). "
-            f"Pass --tokens-per-sample {limit if isinstance(limit, int) else 'N'} or less, or a larger --max-tokens")
+            + fix)
 
 
 def _wrap_get_batch_iterator(original):
@@ -924,16 +937,29 @@ def _wrap_get_batch_iterator(original):
         call.apply_defaults()
         a = call.arguments
         split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None)
+        from fairseq.tasks import TASK_REGISTRY
+
+        name = next((name for name, cls in TASK_REGISTRY.items() if type(self) is cls), None)
+        skipped = functools.partial(all_skipped_message, split, len(dataset), a["max_positions"], name,
+                                    a["max_tokens"])
         try:
             itr = original(self, dataset, *args, **kwargs)
         except IndexError as e:  # fairseq's batch_by_size on no indices
             if a["max_positions"] is not None and len(dataset) and kept(self, dataset, a) == 0:
-                raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"])) from e
+                raise ValueError(skipped()) from e
             raise
         batches = itr.frozen_batches
-        if not batches and a["max_positions"] is not None and len(dataset):
-            raise ValueError(all_skipped_message(split, len(dataset), a["max_positions"]))
         multiple = a["required_batch_size_multiple"]
+        if not batches and len(dataset):
+            try:
+                total = kept(self, dataset, a)
+            except Exception:  # noqa: BLE001 - a dataset that orders or filters otherwise: said as all skipped
+                total = 0
+            if total == 0 and a["max_positions"] is not None:
+                raise ValueError(skipped())
+            if total and multiple > 1 and split is not None and not split.startswith("train"):
+                # fewer samples than the multiple: fairseq would evaluate nothing (a division by zero)
+                raise ValueError(left_out_message(split, total, 0, multiple))
         if multiple <= 1 or split is None or split.startswith("train") or split in counted:
             return itr
         counted.add(split)

@@ -1113,6 +1113,22 @@ def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, c
             task.get_batch_iterator(task.dataset("valid"), max_sentences=16, max_positions=shortest - 1,
                                     ignore_invalid_inputs=True, disable_iterator_cache=True,
                                     required_batch_size_multiple=multiple)
+    # where --max-tokens is the limit, a shorter --tokens-per-sample does not help (it was the advice)
+    with pytest.raises(ValueError, match=r"Pass a larger --max-tokens \(8 now\)$"):
+        task.get_batch_iterator(task.dataset("valid"), max_tokens=8, max_positions=8, ignore_invalid_inputs=True,
+                                disable_iterator_cache=True)
+    # an LRA task cuts its examples with --max-positions (it has no --tokens-per-sample)
+    assert clear_errors.all_skipped_message("valid", 20, 20, "lra_listops").endswith(
+        "Pass --max-positions 20 (the task cuts every example to it)")
+    # a split of fewer samples than the multiple has no batch for that reason (it was said as all too long)
+    task, _ = build(text_data_bin, "language_modeling", "--arch", "lion_s_lm_tiny", "--tokens-per-sample", "1024")
+    task.load_dataset("valid")
+    n = len(task.dataset("valid"))
+    assert 0 < n < 8
+    with pytest.raises(ValueError, match=rf"fairseq's batches leave out {n} of the {n} samples of 'valid' "
+                                         r"\(--required-batch-size-multiple 8"):
+        task.get_batch_iterator(task.dataset("valid"), max_sentences=16, max_positions=1024,
+                                disable_iterator_cache=True, required_batch_size_multiple=8)
 
 
 def test_a_lion_config_is_known_by_its_name_where_the_variant_is_left_to_the_arch():
