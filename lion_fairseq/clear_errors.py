@@ -11,7 +11,7 @@ Each says what is wrong and what to pass; none changes what a working run does, 
 resumed at or past ``--max-update`` ends at once (fairseq trained an update more and saved over its
 checkpoints).
 
-``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps fourteen
+``install()`` (called when the package is imported, i.e. with ``--user-dir lion_fairseq``) wraps fifteen
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
 do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
@@ -27,9 +27,10 @@ last line a user reads, and which starts from random weights where a ``--restore
 ``weights_only`` refuses), ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
 weights are formed), ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
 takes), ``models.build_model`` (a model name fairseq does not know; under fairseq-hydra-train, options named
-as hydra spells them), ``SentencePredictionTask.build_model`` (``--num-classes`` against the labels) and
+as hydra spells them), ``SentencePredictionTask.build_model`` (``--num-classes`` against the labels),
 ``FairseqTask.get_batch_iterator`` (the samples ``--required-batch-size-multiple`` drops from a split it
-evaluates, fairseq #5036).
+evaluates, fairseq #5036) and ``FairseqTask.build_bpe`` (fairseq-interactive on sentencepiece data without
+``--bpe``, which read every input word as ``<unk>``).
 Without ``--user-dir`` nothing of this package runs, so fairseq's own ``KeyError: "'_name'"`` cannot be
 intercepted: ``python -m lion_fairseq.check_checkpoint CHECKPOINT`` explains any checkpoint (missing,
 truncated, which model and arch, what to pass).
@@ -826,6 +827,35 @@ def _wrap_sentence_prediction_build(original):
     return build_model
 
 
+def _wrap_build_bpe(original):
+    """fairseq-interactive without ``--bpe`` on data that ``python -m preprocess.text`` made split its input on
+    whitespace: every word it reads is ``<unk>`` to a sentencepiece dictionary, without a word. Where the data
+    folder holds ``sentencepiece.bpe.model`` it encodes with that, as the hubs do, and says so; ``--bpe
+    sentencepiece`` without ``--sentencepiece-model`` takes it too (it stopped on a missing mandatory value)."""
+    @functools.wraps(original)
+    def build_bpe(self, args):
+        from omegaconf import OmegaConf, open_dict
+
+        from .models.hub import SPM, data_sentencepiece
+
+        data = getattr(getattr(self, "cfg", None), "data", None) or getattr(getattr(self, "args", None), "data", None)
+        path = data_sentencepiece([str(data).split(os.pathsep)[0]]) if data else None
+        name = getattr(args, "_name", None) or getattr(args, "bpe", None) if args is not None else None
+        if path and name == "sentencepiece" and OmegaConf.is_config(args) \
+                and OmegaConf.is_missing(args, "sentencepiece_model"):
+            with open_dict(args):
+                args.sentencepiece_model = path
+        elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py"):
+            logger.warning(f"no --bpe given: encoding with the data's {SPM}, {path} (pass --bpe and its options for "
+                           "another; the input split on whitespace would read every word as <unk>)")
+            from .models.hub import sentencepiece_bpe
+
+            return sentencepiece_bpe(path)
+        return original(self, args)
+    build_bpe.__lion_wrapped__ = True
+    return build_bpe
+
+
 def install() -> None:
     """Wrap fairseq's checkpoint readers, dataset loader, DDP wrapper and eval-lm batches (idempotent)."""
     from fairseq import checkpoint_utils, models
@@ -871,6 +901,8 @@ def install() -> None:
         SentencePredictionTask.build_model = _wrap_sentence_prediction_build(SentencePredictionTask.build_model)
     if not getattr(FairseqTask.get_batch_iterator, "__lion_wrapped__", False):
         FairseqTask.get_batch_iterator = _wrap_get_batch_iterator(FairseqTask.get_batch_iterator)
+    if not getattr(FairseqTask.build_bpe, "__lion_wrapped__", False):
+        FairseqTask.build_bpe = _wrap_build_bpe(FairseqTask.build_bpe)
 
 
 def left_out_message(split: str, total: int, covered: int, multiple: int) -> Optional[str]:

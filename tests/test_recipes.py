@@ -483,6 +483,16 @@ def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path)
     # looks beside the checkpoint only, and stopped at omegaconf's "Missing mandatory value")
     named = LionLanguageModel.from_pretrained(str(tmp_path), "checkpoint_last.pt", str(spm_data), bpe="sentencepiece")
     assert torch.equal(named.encode(sentence), lm.encode(sentence))
+    # fairseq-interactive as the README runs it (no --bpe) read every word as <unk>; --bpe sentencepiece
+    # alone stopped at the missing --sentencepiece-model
+    for bpe in ([], ["--bpe", "sentencepiece"]):
+        out = run(["fairseq-interactive", spm_data, "--user-dir", USER_DIR, "--task", "language_modeling", "--path",
+                   tmp_path / "checkpoint_last.pt", "--beam", "2", "--max-len-a", "1", "--max-len-b", "3", "--cpu",
+                   *bpe], stdin=sentence)
+        source = next(line.split("\t")[1] for line in out.splitlines() if line.startswith("S-0"))
+        assert "<unk>" not in source and len(source.split()) > len(sentence.split()), out[-2000:]
+        assert next(line for line in out.splitlines() if line.startswith("D-0")).split("\t")[2].startswith(sentence)
+        assert ("no --bpe given: encoding with the data's sentencepiece.bpe.model" in out) == (not bpe)
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(spm_data / "dict.txt", bare)

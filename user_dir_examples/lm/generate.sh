@@ -7,7 +7,7 @@
 #   than it comes back cut, with nothing generated); its limit is max-len-a x source + max-len-b, the source
 #   being the prompt and a </s>, so --max-len-a 1 --max-len-b MAX_LEN-1 asks for MAX_LEN new tokens. The limit
 #   is one per batch: keep fairseq-interactive's default of one prompt a batch (--batch-size 1).
-#   For subword data add: --bpe sentencepiece --sentencepiece-model DATA_BIN/sentencepiece.bpe.model
+#   Subword data from preprocess.text: encoded with DATA_BIN/sentencepiece.bpe.model (another: pass --bpe ...)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 [ $# -ge 2 ] || die "usage: echo PROMPT | bash $0 DATA_BIN CHECKPOINT [fairseq-interactive options]"
