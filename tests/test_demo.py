@@ -167,6 +167,17 @@ def test_demo_refuses_bad_options_and_foreign_folders(tmp_path, capsys):
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
+def test_run_sh_demo_reads_relative_paths_from_the_callers_folder(tmp_path):
+    """``bash run.sh demo --corpus FILE`` from another folder: run.sh changes into the checkout to set up its
+    environment, and the demo then looked for FILE (and put --workdir) there."""
+    (tmp_path / "one.txt").write_text("one line is too little text to hold out a validation split\n")
+    proc = subprocess.run(["bash", str(ROOT / "run.sh"), "demo", "--corpus", "one.txt", "--workdir", "w"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # found, and preprocessing (one line leaves nothing to train on) stopped it, in the folder asked for
+    assert proc.returncode == 1 and "--input has 1 line" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "w" / "logs" / "preprocess.log").is_file()
+
+
 def test_corpus_and_prompts(tmp_path):
     from lion_fairseq.demo.corpus import PYDOC_LM_PROMPT, PYDOC_MASK_PROMPT, prompts_from_text, pydoc_paragraphs
 
