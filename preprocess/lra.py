@@ -37,6 +37,7 @@ retrieval's second document), ``label/{split}.{bin,idx}`` (one class index per i
 import argparse
 import json
 import logging
+import math
 import pickle
 import sys
 from pathlib import Path
@@ -100,7 +101,7 @@ def _label(value: str, path: Path, line: int, num_classes: int) -> int:
         as_float = float(value)
     except ValueError:
         raise PreprocessError(f"{path}:{line}: label {value!r} is not a number") from None
-    label = int(as_float)
+    label = int(as_float) if math.isfinite(as_float) else -1  # nan, inf: no class either
     if label != as_float or not 0 <= label < num_classes:
         raise PreprocessError(f"{path}:{line}: label {value!r} is not a class index in 0..{num_classes - 1}")
     return label
@@ -178,6 +179,9 @@ def _cifar_batch(path: Path) -> Tuple[np.ndarray, List[int]]:
     data, labels = batch.get(b"data"), batch.get(b"labels")
     if data is None or labels is None or np.asarray(data).shape[1:] != (3072,):
         raise PreprocessError(f"{path}: expected a dict with b'data' (N, 3072) and b'labels'")
+    bad = next((label for label in labels if not 0 <= label < 10), None)
+    if bad is not None:  # the training batches too: a -1 was written as 65535
+        raise PreprocessError(f"{path}: label {bad} is not a CIFAR-10 class")
     return np.asarray(data, dtype=np.uint8), list(labels)
 
 
@@ -195,8 +199,6 @@ def read_cifar(paths: Sequence[Path], rgb: bool) -> Iterator[Item]:
     for path in paths:
         data, labels = _cifar_batch(path)
         for tokens, label in zip(cifar_tokens(data, rgb), labels):
-            if not 0 <= label < 10:
-                raise PreprocessError(f"{path}: label {label} is not a CIFAR-10 class")
             yield (tokens,), int(label)
 
 
@@ -372,7 +374,9 @@ def run(args: argparse.Namespace) -> Path:
         if args.input_dir is None:
             raise PreprocessError("give --input-dir, e.g. lra_release/pathfinder32")
         index = pathfinder_index(args.input_dir / args.difficulty)
-        size = read_image(index[0][0]).shape[1]
+        height, size = read_image(index[0][0]).shape
+        if height != size:
+            raise PreprocessError(f"{index[0][0]}: image is {size}x{height}: Pathfinder images are square")
         fractions = np.array(args.split, dtype=np.float64)
         if len(fractions) != 3 or (fractions <= 0).any():
             raise PreprocessError("--split takes three positive fractions (train valid test)")

@@ -520,6 +520,27 @@ def test_errors_name_the_file_line_or_option(tmp_path, capsys):
     assert prep.main(["listops", "--input-dir", str(bad), "--destdir", str(tmp_path / "out")]) == 1
     assert "basic_train.tsv:3: label '12'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    for label in ("nan", "inf"):  # a traceback (int of nan, of inf) before
+        (bad / "basic_train.tsv").write_text(f"Source\tTarget\n( [MAX 1 ] )\t{label}\n")
+        assert prep.main(["listops", "--input-dir", str(bad), "--destdir", str(tmp_path / "out")]) == 1
+        assert f"basic_train.tsv:2: label '{label}' is not a class index in 0..9" in capsys.readouterr().err
+    # a training batch's label out of range (only the test batch's was checked: a -1 was written as 65535),
+    # and a Pathfinder image that is not square (it was said to differ from itself)
+    _cifar(tmp_path / "cifar", 3, seed=0)
+    with open(tmp_path / "cifar" / "data_batch_2", "rb") as f:
+        batch = pickle.load(f)
+    batch[b"labels"][1] = -1
+    with open(tmp_path / "cifar" / "data_batch_2", "wb") as f:
+        pickle.dump(batch, f)
+    assert prep.main(["image", "--input-dir", str(tmp_path / "cifar"), "--destdir", str(tmp_path / "img")]) == 1
+    assert f"{tmp_path / 'cifar' / 'data_batch_2'}: label -1 is not a CIFAR-10 class" in capsys.readouterr().err
+    from PIL import Image
+
+    pathfinder.write_release(tmp_path / "pf", 4, size=16, seed=0)
+    for png in (tmp_path / "pf").rglob("*.png"):
+        Image.open(png).crop((0, 0, 16, 8)).save(png)
+    assert prep.main(["pathfinder", "--input-dir", str(tmp_path / "pf"), "--destdir", str(tmp_path / "p")]) == 1
+    assert "image is 16x8: Pathfinder images are square" in capsys.readouterr().err
 
     listops.main(["--output-dir", str(tmp_path / "ok"), "--num-train", "2", "--num-valid", "1", "--num-test", "1",
                   "--min-length", "5", "--max-length", "30"])
