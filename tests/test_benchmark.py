@@ -174,3 +174,18 @@ def test_a_bad_option_is_a_usage_error_naming_it(module, argv, option, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["__main__", "decode", "encoder", "operator", "quality", "translation", "uptrain",
+                                    "uptrain_lm", "gpu"])
+def test_every_benchmark_refuses_a_file_for_its_out_folder(module, tmp_path, capsys):
+    """``--out`` naming a file: argparse's usage error naming the option, before any set-up (it was a
+    FileExistsError traceback from mkdir, after the set-up, where it came to write)."""
+    import importlib
+
+    taken = tmp_path / "results.md"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(f"lion_fairseq.benchmark.{module}").main(["--out", str(taken)])
+    assert stopped.value.code == 2
+    assert f"argument --out: {taken} is a file: pass a folder for the results" in capsys.readouterr().err

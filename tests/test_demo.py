@@ -142,6 +142,8 @@ def test_demo_refuses_bad_options_and_foreign_folders(tmp_path, capsys):
         (["--workdir", str(tmp_path / "a_file" / "w")], "Not a directory (pass a --workdir you can write to)"),
         (["--corpus", str(tmp_path / "missing.txt")], "--corpus: no such file"),
         (["--minutes", "0"], "--minutes must be a positive number"),
+        (["--seed", "-1"], "--seed must be in 0..4294967295"),
+        (["--corpus", str(tmp_path)], f"--corpus: {tmp_path} is a folder: pass its text files"),
         (["--mask-prompt", "no mask here"], "--mask-prompt needs exactly one <mask>"),
     ]
     for args, message in cases:

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 from . import operator as op
 from .layer import LIMITS
 from .operator import fmt, speedup, threads_name
-from .options import default_text, fill_unset, positive_int
+from .options import default_text, fill_unset, out_folder, positive_int
 from .plotting import against_length, pyplot
 
 FORMS = ("chunk", "parallel", "recurrent")
@@ -176,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "with these thread counts (none: no scaling run)")
     p.add_argument("--small", action="store_true",
                    help="L up to 1024, no decode: a couple of minutes (options given still apply)")
-    p.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
+    p.add_argument("--out", type=out_folder, default=Path("outputs/benchmark"))
     args = p.parse_args(argv)
     flop_lengths, sizes = ([1024] if args.small else FLOP_LENGTHS), CHUNK_SIZES
     fill_unset(args, args.small, **DEFAULTS)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .operator import threads_name
-from .options import default_text, fill_unset, positive_int
+from .options import default_text, fill_unset, out_folder, positive_int
 
 VOCAB = 32000  # a typical subword vocabulary: the output projection costs the same for both models
 # the options that --small shortens unless given: (full run, --small)
@@ -137,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--small", action="store_true",
                    help="contexts 64..1024, one scoring block (options given still apply)")
-    p.add_argument("--out", type=Path, default=Path("outputs/benchmark/decode"))
+    p.add_argument("--out", type=out_folder, default=Path("outputs/benchmark/decode"))
     args = p.parse_args(argv)
     fill_unset(args, args.small, **DEFAULTS)
     torch.set_num_threads(args.threads)

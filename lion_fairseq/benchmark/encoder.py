@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .operator import speedup, threads_name
-from .options import default_text, fill_unset, positive_int
+from .options import default_text, fill_unset, out_folder, positive_int
 from .rss import maxrss_mib, reset_peak
 
 MODELS = ("roberta_base", "lion_lit", "lion_d", "lion_s")
@@ -228,7 +228,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="--long: also run the chunk form and roberta_base with these thread counts (none: no "
                         "scaling run)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=Path("outputs/benchmark/encoder"))
+    p.add_argument("--out", type=out_folder, default=Path("outputs/benchmark/encoder"))
     p.add_argument("--child", nargs=4, metavar=("ARCH", "MODE", "L", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.long and args.small:  # long_document takes neither: it would start the whole run

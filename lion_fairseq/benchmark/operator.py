@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .options import default_text, fill_unset, positive_int
+from .options import default_text, fill_unset, out_folder, positive_int
 from .plotting import against_length, pyplot
 from .rss import maxrss_mib, reset_peak
 
@@ -298,7 +298,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="timings are the best of this many runs " + default_text(DEFAULTS["repeats"]))
     p.add_argument("--small", action="store_true",
                    help="L = 256..2048, one repeat, no scaling run: about a minute (options given still apply)")
-    p.add_argument("--out", type=Path, default=Path("outputs/benchmark/operator"))
+    p.add_argument("--out", type=out_folder, default=Path("outputs/benchmark/operator"))
     p.add_argument("--child", nargs=2, metavar=("IMPL", "L"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child and args.child[0] == "matmul":

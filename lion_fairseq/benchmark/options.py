@@ -1,5 +1,6 @@
 """Command-line value types the benchmarks share."""
 import argparse
+from pathlib import Path
 from typing import Any, Tuple
 
 
@@ -13,6 +14,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
     return value
+
+
+def out_folder(text: str) -> Path:
+    """``--out``: a folder, made if missing; a file of that name is argparse's usage error naming the option
+    (a FileExistsError traceback from mkdir, at the end of the set-up)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file: pass a folder for the results")
+    return path
 
 
 def default_text(defaults: Tuple[Any, Any]) -> str:

@@ -44,7 +44,7 @@ from ..demo.commands import console, python_module, run, shown
 from ..demo.corpus import write_pydoc_corpus
 from ..demo.train import json_record
 from ..user_dir import path as user_dir_path
-from .options import positive_int
+from .options import out_folder, positive_int
 from .plotting import pyplot
 
 TOKENS = 128  # training length; eval-lm also runs at LONG = 4 x this
@@ -310,7 +310,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="*", default=[],
                         help="comparisons to run: lm, mlm, recall (default: lm)")
-    parser.add_argument("--out", default="outputs/benchmark/quality")
+    parser.add_argument("--out", type=out_folder, default="outputs/benchmark/quality")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--updates", type=positive_int, default=None, help="updates per model (default: lm and mlm "
                         f"{SCHEDULE['lm'][0]}, recall {SCHEDULE['recall'][0]})")

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .options import out_folder
 from .rss import maxrss_mib
 
 WORDS = 30
@@ -219,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.translation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["quality", "decode"])
-    parser.add_argument("--out", default="outputs/benchmark/translation")
+    parser.add_argument("--out", type=out_folder, default="outputs/benchmark/translation")
     parser.add_argument("--updates", type=int, default=600, help="quality: updates per model")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="quality: seeds")
     parser.add_argument("--sources", type=int, nargs="+", default=[64, 512, 2048, 8192], help="decode: source lengths")

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 from ..demo.commands import console, python_module, remove_tree, run, shown
 from ..demo.train import json_record
 from ..user_dir import path as user_dir_path
+from .options import out_folder
 from .plotting import pyplot
 from .quality import TINY_ENC, TOKENS, curves, mean_curve, prepare_text, spread, train_command
 
@@ -342,7 +343,7 @@ def arguments(module: str, doc: str, updates: int, argv: Optional[List[str]]) ->
     ``updates``) and its output folder, made; each fairseq command it runs then takes one thread."""
     parser = argparse.ArgumentParser(prog=f"python -m lion_fairseq.benchmark.{module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=f"outputs/benchmark/{module}")
+    parser.add_argument("--out", type=out_folder, default=f"outputs/benchmark/{module}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--updates", type=int, default=updates, help="the teacher's updates, N (uptraining: N/10)")
     args = parser.parse_args(argv)

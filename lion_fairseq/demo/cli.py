@@ -60,6 +60,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--vocab-size must be at least 100, got {args.vocab_size}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if not 0 <= args.seed < 2 ** 32:  # numpy's seeds; checked here, not after the preprocessing
+        raise ValueError(f"--seed must be in 0..{2 ** 32 - 1}, got {args.seed}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.mask_prompt is not None and args.mask_prompt.count("<mask>") != 1:

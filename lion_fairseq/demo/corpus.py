@@ -48,6 +48,8 @@ def check_corpus_files(files: Sequence[str]) -> List[Path]:
     paths = []
     for name in files:
         p = Path(name)
+        if p.is_dir():
+            raise ValueError(f"--corpus: {name} is a folder: pass its text files ({name}/*.txt, say)")
         if not p.is_file():
             raise ValueError(f"--corpus: no such file: {name}")
         if p.stat().st_size == 0:
