@@ -172,6 +172,9 @@ def test_hub_fill_mask_and_features(mlm, text_data_bin, caplog):
     vocab = len(hub.task.source_dictionary)
     out = hub.fill_mask("the value of the <mask> is returned", topk=5)
     assert len(out) == 5
+    # a list of sentences (it said "needs exactly one <mask>; got [...]" of a list with one in each)
+    with pytest.raises(ValueError, match="fill_mask takes one sentence .a str. with one <mask>; got a list"):
+        hub.fill_mask(["the <mask> is", "a <mask> of"])
     probs = [p for _, p, _ in out]
     assert probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-6
     # a trained model is far from uniform over the vocabulary

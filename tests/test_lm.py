@@ -218,6 +218,8 @@ def test_hub_sample_and_interactive(trained, text_data_bin):
     for lengths, least, most in (({"max_len_b": 3, "min_len": 6}, 6, 3), ({"max_len_b": 0}, 1, 0)):
         with pytest.raises(ValueError, match=rf"^min_len={least} new tokens is more than the {most} that "):
             hub.sample("if", beam=2, **lengths)
+    with pytest.raises(ValueError, match=r"^beam=0: the number of hypotheses kept must be an integer >= 1"):
+        hub.sample("if", beam=0)  # fairseq: "cannot reshape tensor of 0 elements"
 
     proc = fairseq_cli("interactive", str(text_data_bin), "--user-dir", USER_DIR, "--task", "language_modeling",
                        "--path", str(ckpt), "--beam", "2", "--max-len-b", "6", "--num-workers", "0",

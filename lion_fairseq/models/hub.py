@@ -7,6 +7,7 @@ none."""
 import argparse
 import difflib
 import logging
+import numbers
 import os
 import re
 import warnings
@@ -84,6 +85,9 @@ class CheckedGeneratorHubInterface(GeneratorHubInterface):
         unknown = set(kwargs) - set(options.keys()) if hasattr(options, "keys") else set()
         if unknown:
             raise ValueError(generation_keywords_message(unknown, options.keys()))
+        if not (isinstance(beam, numbers.Integral) and beam >= 1):  # fairseq: "cannot reshape tensor of 0 elements"
+            raise ValueError(f"beam={beam!r}: the number of hypotheses kept must be an integer >= 1 (1: greedy or, "
+                             "with sampling=True, one sample)")
         try:
             return super().generate(tokenized_sentences, beam, verbose, skip_invalid_size_inputs, inference_step_args,
                                     prefix_allowed_tokens_fn, **kwargs)

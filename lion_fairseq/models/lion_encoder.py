@@ -244,6 +244,9 @@ class LionHubInterface(RobertaHubInterface):
         list has ``topk`` entries. (fairseq's RoBERTa hub dropped them from the tokens but not from the
         probabilities: every token after one came with the probability of the rank above it.) With a BPE,
         the token is decoded as fairseq's hub gives it (with its leading space where it starts a word)."""
+        if not isinstance(masked_input, str):  # fairseq's own takes one sentence too
+            raise ValueError(f"fill_mask takes one sentence (a str) with one <mask>; got a {type(masked_input).__name__}"
+                             ": call it once per sentence")
         if masked_input.count("<mask>") != 1:
             raise ValueError(f"fill_mask needs exactly one <mask> in its input; got {masked_input!r}")
         mask_idx = getattr(self.task, "mask_idx", None)
