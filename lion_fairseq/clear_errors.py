@@ -100,6 +100,13 @@ def intact_checkpoints(path: str, most: int = 3) -> List[str]:
 def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
     """What to tell a user whose checkpoint ``torch.load`` could not read."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
+    with open(path, "rb") if size else contextlib.nullcontext() as f:
+        start = f.read(4) if f else b""
+    # torch.save writes a zip (a pickle before torch 1.6): a truncated checkpoint still starts as one
+    if start and not start.startswith((b"PK", b"\x80")):
+        return (f"cannot read {path} ({size} bytes): it is not a checkpoint (torch.save writes a zip file, and this "
+                f"file starts with {start!r}): pass a checkpoint file, a checkpoint_best.pt or checkpoint_last.pt "
+                "of a run's --save-dir")
     others = intact_checkpoints(path)
     hint = (f" Intact checkpoints next to it, newest first (python -m lion_fairseq.check_checkpoint reads "
             f"one): {', '.join(others)}." if others else "")

@@ -680,7 +680,7 @@ def test_truncated_checkpoint_says_so_and_what_to_pass(runs, tmp_path):
     # a file that is no checkpoint at all is not called intact (torch's weights_only refusal of its bytes)
     (tmp_path / "notes.pt").write_text("not a checkpoint\n" * 100)
     text = check_checkpoint.explain(str(tmp_path / "notes.pt"))
-    assert text.startswith("cannot read checkpoint") and "intact, but" not in text, text
+    assert "it is not a checkpoint" in text and "intact, but" not in text, text
     text = check_checkpoint.explain(str(intact))
     assert "'lion_s_lm_tiny'" in text and f"--user-dir {clear_errors.PACKAGE_DIR}" in text and "KeyError" in text
     proc = subprocess.run([sys.executable, "-m", "lion_fairseq.check_checkpoint", str(intact), str(broken)], env=ENV,
@@ -1073,6 +1073,12 @@ def test_check_checkpoint_stops_on_a_missing_file_and_reads_older_checkpoints_po
     capsys.readouterr()
     assert check_checkpoint.main(["--max-positions", str(legacy)]) == 0
     assert capsys.readouterr().out.strip() == "512"
+    # a data file given for a checkpoint is no truncated checkpoint (which it was said to be)
+    data = tmp_path / "train.bin"
+    data.write_bytes(bytes(range(4, 68)))
+    assert check_checkpoint.main([str(data)]) == 1
+    said = capsys.readouterr()
+    assert f"cannot read {data} (64 bytes): it is not a checkpoint" in said.out + said.err
 
 
 def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, caplog):
