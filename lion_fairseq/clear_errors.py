@@ -322,6 +322,22 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
     return changes
 
 
+def bare_weights_message(path: str) -> Optional[str]:
+    """What to say where ``path`` holds tensors by name but no fairseq checkpoint (``torch.save(model.state_dict())``:
+    no config to build the model from); None where it is something else."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not such a file: fairseq's own error stands
+        return None
+    if not isinstance(state, dict) or {"model", "cfg", "args"} & set(state) or \
+            not all(isinstance(value, torch.Tensor) for value in state.values()):
+        return None
+    return (f"cannot load {path}: it holds {len(state)} tensors by name and nothing else, a bare state_dict "
+            "(torch.save(model.state_dict())), where a fairseq checkpoint keeps the config that builds the model "
+            "beside its weights: pass a checkpoint fairseq-train saved (checkpoint_best.pt), or build the model and "
+            "call its load_state_dict on these tensors")
+
+
 def _wrap_load_checkpoint_to_cpu(original):
     def read(path, arg_overrides, load_on_all_ranks):
         try:
@@ -331,6 +347,11 @@ def _wrap_load_checkpoint_to_cpu(original):
             if isinstance(e, CheckpointError) or not os.path.isfile(str(path)) or not _of_the_file(e):
                 raise
             raise checkpoint_file_error(str(path), e) from e
+        except KeyError as e:  # fairseq upgrading a file of no fairseq layout: KeyError: 'best_loss'
+            message = bare_weights_message(str(path))
+            if message is None:
+                raise
+            raise CheckpointError(message) from e
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):

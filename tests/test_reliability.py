@@ -1079,6 +1079,13 @@ def test_check_checkpoint_stops_on_a_missing_file_and_reads_older_checkpoints_po
     assert check_checkpoint.main([str(data)]) == 1
     said = capsys.readouterr()
     assert f"cannot read {data} (64 bytes): it is not a checkpoint" in said.out + said.err
+    # torch.save(model.state_dict()) given to fairseq's reader (the hubs', fairseq-eval-lm's): KeyError: 'best_loss'
+    from fairseq import checkpoint_utils
+
+    bare = tmp_path / "weights.pt"
+    torch.save(torch.nn.Linear(3, 4).state_dict(), bare)
+    with pytest.raises(clear_errors.CheckpointError, match=r"it holds 2 tensors by name and nothing else, a bare "):
+        checkpoint_utils.load_checkpoint_to_cpu(str(bare))
 
 
 def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, caplog):
