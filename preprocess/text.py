@@ -9,6 +9,7 @@ end of the input (contiguous spans; a cut falls between lines, so a document may
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -88,6 +89,13 @@ def _check_options(args: argparse.Namespace) -> None:
         raise PreprocessError(f"--character-coverage must be in (0, 1], got {args.character_coverage}")
     if args.workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {args.workers}")
+    trained = {os.path.realpath(name): name for name in args.input or ()}
+    for split in ("valid", "test"):  # a split inside the training text scores what the model learned by heart
+        for name in getattr(args, split) or ():
+            if os.path.realpath(name) in trained:
+                raise PreprocessError(f"--{split} {name} is also an --input file ({trained[os.path.realpath(name)]}): "
+                                      f"the {split} split would be text the model trains on; pass another file, or "
+                                      f"leave --{split} out to hold out lines of --input")
 
 
 def _write_splits(inputs: List[TextFileInfo], explicit: Dict[str, Optional[List[TextFileInfo]]],

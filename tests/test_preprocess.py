@@ -130,6 +130,11 @@ def test_explicit_valid_test_files_reuse_model(corpus, text_bin, tmp_path, capsy
     assert sp.decode(valid[3].tolist()[:-1]) == lines[N_A + N_B + 3]
     assert sp.decode(valid[-1].tolist()[:-1]) == lines[-1]
     assert sp.decode(test[-1].tolist()[:-1]) == lines[-1]
+    # a validation file that is also trained on: refused (it was kept, and scored the training text)
+    rc = text_cli.main(["--input", str(root / "a.txt"), "--valid", str(root / "a.txt"), "--destdir",
+                        str(tmp_path / "inside")])
+    assert rc == 1 and f"--valid {root / 'a.txt'} is also an --input file" in capsys.readouterr().err
+    assert not (tmp_path / "inside").exists()
 
 
 def write_tsv(path: Path, header, rows):
