@@ -415,8 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# the kinds each kind-specific option applies to: given to another, it would be ignored without a word
+APPLIES = {"train": ("listops", "text", "retrieval"), "valid": ("listops", "text", "retrieval"),
+           "test": ("listops", "text", "retrieval"), "prefix": ("listops",), "imdb_dir": ("text",),
+           "max_length": ("listops", "text", "retrieval"), "valid_size": ("image",), "rgb": ("image",),
+           "difficulty": ("pathfinder",), "split": ("pathfinder",)}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for dest, kinds in APPLIES.items():
+        if args.kind not in kinds and getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"--{dest.replace('_', '-')} applies to {', '.join(kinds)}, not to {args.kind}"
+                         + (" (its images keep every pixel)" if dest == "max_length" else ""))
     return run_main(lambda: run(args))
 
 

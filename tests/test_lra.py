@@ -541,6 +541,11 @@ def test_errors_name_the_file_line_or_option(tmp_path, capsys):
         Image.open(png).crop((0, 0, 16, 8)).save(png)
     assert prep.main(["pathfinder", "--input-dir", str(tmp_path / "pf"), "--destdir", str(tmp_path / "p")]) == 1
     assert "image is 16x8: Pathfinder images are square" in capsys.readouterr().err
+    # an option of another kind (it was ignored: --max-length 100 on Pathfinder wrote 1024-token items)
+    with pytest.raises(SystemExit):
+        prep.main(["pathfinder", "--input-dir", str(tmp_path / "pf"), "--destdir", str(tmp_path / "p"),
+                   "--max-length", "100"])
+    assert "--max-length applies to listops, text, retrieval, not to pathfinder" in capsys.readouterr().err
 
     listops.main(["--output-dir", str(tmp_path / "ok"), "--num-train", "2", "--num-valid", "1", "--num-test", "1",
                   "--min-length", "5", "--max-length", "30"])
