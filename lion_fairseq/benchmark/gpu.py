@@ -60,7 +60,9 @@ PEAK_RATES = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12), ("H100", 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lion_fairseq.benchmark.gpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=out_folder, required=True, help="folder for gpu.md and gpu.json (tune.md and tune.json)")
+    # a str: the options are written into gpu.json and tune.json
+    p.add_argument("--out", type=lambda text: str(out_folder(text)), required=True,
+                   help="folder for gpu.md and gpu.json (tune.md and tune.json)")
     # the device tool brings back at most 8 files from its $OUT: the runs' corpus, binaries, checkpoints and
     # logs there could crowd out the report
     p.add_argument("--work", help="folder for the fairseq runs' data, checkpoints and logs (default: a new folder "
