@@ -352,6 +352,24 @@ def test_attention_transfer_loss_falls(roberta, text_data_bin):
     assert share() < 0.7 * first
 
 
+def test_attention_transfer_pairs_every_layer_under_layerdrop(roberta, text_data_bin):
+    """With --encoder-layerdrop, training mode: the loss still pairs each student layer with its teacher
+    layer (iterating fairseq's LayerDropModuleList skipped layers, and paired the rest with the wrong ones)."""
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    task, model = build_model(text_data_bin, "masked_lm", "--arch", "lion_d_tiny", *SIZE, "--tokens-per-sample",
+                              "32", "--max-positions", "32", "--dropout", "0", "--encoder-layerdrop", "0.99")
+    model.load_state_dict(torch.load(roberta, map_location="cpu", weights_only=False)["model"], strict=True)
+    criterion = CRITERION_REGISTRY["lion_attention_transfer"](task, teacher=str(roberta))
+    task.load_dataset("valid")
+    batch = task.dataset("valid").collater([task.dataset("valid")[i] for i in range(4)])
+    with torch.no_grad():
+        trained = criterion(model.train(), batch)[2]
+        evaluated = criterion(model.eval(), batch)[2]
+    for key in ("rel_num", "rel_den"):
+        torch.testing.assert_close(trained[key], evaluated[key])
+
+
 def test_attention_transfer_leaves_padding_out(roberta, text_data_bin):
     """The loss and its logged error over a padded batch are those of its sequences alone, token-weighted:
     padding neither reaches the student's attention nor counts as tokens."""
