@@ -15,10 +15,11 @@ checkpoints).
 fairseq functions so that their failures carry such a message (the original error stays chained) or that they
 do not fail:
 ``checkpoint_utils.load_checkpoint_to_cpu``, ``data_utils.load_indexed_dataset``,
-``models.DistributedFairseqModel``, ``Trainer.__init__`` (``--bf16`` without a TPU),
+``models.DistributedFairseqModel``, ``Trainer.__init__`` (``--bf16`` without a TPU, ``--fp16`` without CUDA),
 ``Trainer.load_checkpoint`` (whose own 'please ensure that the architectures match' would otherwise be the
 last line a user reads, and which starts from random weights where a ``--restore-file`` given with
-``--reset-*`` options does not exist, or resumes a run as another model),
+``--reset-*`` options does not exist, fine-tunes from a folder or over its own --save-dir, or resumes a run as
+another model),
 ``LanguageModelingTask.eval_lm_dataloader`` (which skips over-long samples with one log line),
 ``LanguageModelingTask.load_dataset`` (blocks of no token: ``--context-window`` not below
 ``--tokens-per-sample`` in fairseq-eval-lm),
@@ -520,17 +521,18 @@ def fp16_without_cuda_message(common: Any) -> Optional[str]:
             or torch.cuda.is_available():
         return None
     return ("--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU, and torch sees none here: leave "
-            "--fp16 out to train in float32 on CPUs (with --cpu), or train in bfloat16 with fairseq-hydra-train "
-            "common.bf16=true common.cpu=true")
+            "--fp16 out to train in float32 on CPUs (with --cpu; under fairseq-hydra-train common.fp16=false "
+            "common.cpu=true, as LION's configs set common.fp16: true), or train in bfloat16 with "
+            "fairseq-hydra-train common.fp16=false common.bf16=true common.cpu=true")
 
 
 def _wrap_trainer_init(original):
     @functools.wraps(original)
     def __init__(self, cfg, *args, **kwargs):
         common = getattr(cfg, "common", cfg)  # cfg: a config, or a legacy Namespace
-        message = tpu_message(common) or fp16_without_cuda_message(common)
+        message = tpu_message(common) or fp16_without_cuda_message(common)  # each names both launchers' terms
         if message:
-            raise ValueError(in_launchers_terms(message))
+            raise ValueError(message)
         original(self, cfg, *args, **kwargs)
     __init__.__lion_wrapped__ = True
     return __init__
@@ -873,7 +875,8 @@ def _wrap_build_bpe(original):
                 and OmegaConf.is_missing(args, "sentencepiece_model"):
             with open_dict(args):
                 args.sentencepiece_model = path
-        elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py"):
+        elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py") \
+                and not any(a.startswith(("--post-process", "--remove-bpe")) for a in sys.argv):  # pieces typed in
             logger.warning(f"no --bpe given: encoding with the data's {SPM}, {path} (pass --bpe and its options for "
                            "another; the input split on whitespace would read every word as <unk>)")
             from .models.hub import sentencepiece_bpe
@@ -954,12 +957,12 @@ def all_skipped_message(split: Optional[str], samples: int, limit: Any, task: Op
     longer than ``limit``, the least of ``max_tokens`` and the task's and model's positions, in ``task``."""
     which = repr(split) if split else "the data"
     n = limit if isinstance(limit, int) else "N"
-    if max_tokens is not None and limit == max_tokens:
-        fix = f"Pass a larger --max-tokens ({max_tokens} now)"
+    cut = ("--max-positions {n} (the task cuts every example to it)" if str(task).startswith("lra_") else
+           CUT_TO.get(str(task), "shorter samples")).format(n=n)
+    if max_tokens is not None and limit == max_tokens:  # where the positions end there too, a cut still helps
+        fix = f"Pass a larger --max-tokens ({max_tokens} now); where the positions end there too, {cut}"
     else:
-        cut = "--max-positions {n} (the task cuts every example to it)" if str(task).startswith("lra_") else \
-            CUT_TO.get(str(task), "shorter samples")
-        fix = f"Pass {cut.format(n=n)}" + (", or a larger --max-tokens" if max_tokens is not None else "")
+        fix = f"Pass {cut}" + (", or a larger --max-tokens" if max_tokens is not None else "")
     return (f"fairseq skipped every one of the {samples} samples of {which}: each is longer than {limit} tokens, "
             "the most this run takes (the least of --max-tokens and the task's and the model's positions; a LION-LIT "
             "model's learned positions end at the --max-positions or --max-target-positions it was built with). "
@@ -1178,7 +1181,8 @@ def _from_launch_folder(filename: str) -> Optional[str]:
     return launched if os.path.isfile(launched) else None
 
 
-SAVED_NAMES = re.compile(r"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_.+)\.pt")  # what fairseq-train writes
+# what fairseq-train writes (with --checkpoint-suffix -shard0 say: checkpoint_best-shard0.pt)
+SAVED_NAMES = re.compile(r"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_[^-]+)(-.+)?\.pt")
 
 
 def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
@@ -1325,7 +1329,9 @@ def finished_run_message(filename: str, num_updates: int, cfg: Any) -> Optional[
 def _wrap_trainer_load_checkpoint(original):
     """fairseq's trainer turns any load failure into 'please ensure that the architectures match', the last
     line a user reads: where the cause is this plugin's message, that message is raised last instead. A
-    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it, an
+    ``--restore-file`` that does not exist is refused where ``--reset-*`` options ask to start from it (and
+    under fairseq-hydra-train where hydra's run folder hides it), a ``--finetune-from-model`` that is a folder
+    or a file this run would save over is refused, an
     optimizer state of other parameters is refused naming ``--reset-optimizer``, and a run resumed (without
     ``--reset-optimizer``) as another model than its checkpoint was trained as (``FIXED_BY_TRAINING``) is
     refused naming the change; a new run from it logs the change. A LION run resumed at or past

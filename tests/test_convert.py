@@ -278,6 +278,8 @@ def test_convert_refuses_an_output_path_it_cannot_write_before_converting(robert
     assert convert.main([str(roberta), str(trained), "--arch", "lion_d_tiny"]) == 2
     assert f"the output {trained} exists and was not written by this command" in capsys.readouterr().err
     assert trained.read_bytes() == before
+    torch.save({"model": {}, "extra_state": {"epoch": 2}}, trained)  # loads with weights_only, as a LION one does
+    assert not convert.converted_before(str(trained)) and convert.converted_before(str(tmp_path / "lion.pt"))
 
 
 def test_restore_file_of_another_models_optimizer_names_reset_optimizer(roberta, text_data_bin, tmp_path):

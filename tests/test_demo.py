@@ -3,6 +3,7 @@ workdir, and its refusals; plus the corpus and prompt helpers it is built on."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -167,14 +168,23 @@ def test_demo_refuses_bad_options_and_foreign_folders(tmp_path, capsys):
     assert f"--corpus {foreign / 'notes.txt'} lies inside --workdir {foreign}, which --fresh removes" in \
         capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
+    from lion_fairseq.demo.cli import build_parser, check_args
+
+    check_args(build_parser().parse_args(["--workdir", str(foreign), "--corpus", str(foreign / "notes.txt")]))
 
 
 def test_run_sh_demo_reads_relative_paths_from_the_callers_folder(tmp_path):
     """``bash run.sh demo --corpus FILE`` from another folder: run.sh changes into the checkout to set up its
     environment, and the demo then looked for FILE (and put --workdir) there."""
     (tmp_path / "one.txt").write_text("one line is too little text to hold out a validation split\n")
-    proc = subprocess.run(["bash", str(ROOT / "run.sh"), "demo", "--corpus", "one.txt", "--workdir", "w"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # run.sh beside an environment script that sets up nothing (the real one would install a .venv)
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "run.sh", checkout)
+    (checkout / "scripts" / "env.sh").write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
+    proc = subprocess.run(["bash", str(checkout / "run.sh"), "demo", "--corpus", "one.txt", "--workdir", "w"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     # found, and preprocessing (one line leaves nothing to train on) stopped it, in the folder asked for
     assert proc.returncode == 1 and "--input has 1 line" in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "w" / "logs" / "preprocess.log").is_file()

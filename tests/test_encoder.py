@@ -481,6 +481,14 @@ def test_finetune_from_a_folder_or_from_the_save_dir_is_refused(text_data_bin, t
             fairseq_cli("train", *run[:-1], "3", "--save-dir", str(save_dir), "--finetune-from-model", str(given))
         assert said in str(failed.value)
     assert pretrained.read_bytes() == before and not list((tmp_path / "new").glob("*.pt"))
+    # a name fairseq-train writes, with --checkpoint-suffix too; another file in --save-dir is the user's to give
+    from argparse import Namespace
+
+    from lion_fairseq.clear_errors import finetune_in_save_dir_message
+
+    for name, refused in (("checkpoint_best-shard0.pt", True), ("checkpoint3.pt", True), ("lion.pt", False)):
+        cfg = Namespace(finetune_from_model=str(tmp_path / "new" / name), save_dir=str(tmp_path / "new"))
+        assert (finetune_in_save_dir_message(cfg) is not None) == refused, name
 
 
 def test_first_difference_names_variant_sizes_and_levers(text_data_bin):

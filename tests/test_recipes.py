@@ -493,6 +493,12 @@ def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path)
         assert "<unk>" not in source and len(source.split()) > len(sentence.split()), out[-2000:]
         assert next(line for line in out.splitlines() if line.startswith("D-0")).split("\t")[2].startswith(sentence)
         assert ("no --bpe given: encoding with the data's sentencepiece.bpe.model" in out) == (not bpe)
+    # pieces typed in with --post-process sentencepiece, as before: not encoded a second time
+    out = run(["fairseq-interactive", spm_data, "--user-dir", USER_DIR, "--task", "language_modeling", "--path",
+               tmp_path / "checkpoint_last.pt", "--beam", "2", "--max-len-a", "1", "--max-len-b", "3", "--cpu",
+               "--post-process", "sentencepiece"], stdin=lm.bpe.encode(sentence))
+    assert "no --bpe given" not in out
+    assert next(line for line in out.splitlines() if line.startswith("D-0")).split("\t")[2].startswith(sentence)
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(spm_data / "dict.txt", bare)

@@ -387,6 +387,7 @@ def test_fp16_without_a_gpu_names_what_runs(text_data_bin, tmp_path, monkeypatch
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU" in last, \
         proc.stderr[-2000:]
+    assert "fairseq-hydra-train common.fp16=false common.bf16=true common.cpu=true" in last  # the configs set fp16
     assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=True)) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=False)) is None
@@ -540,6 +541,12 @@ checkpoint: {{save_dir: {tmp_path / 'run'}, no_epoch_checkpoints: true}}
                 "--save-dir", str(tmp_path / "run"))
     assert torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["optimizer_history"][-1][
         "num_updates"] == 3
+    # and back: the hydra config resumes fairseq-train's checkpoint
+    proc = subprocess.run([*hydra, f"hydra.run.dir={tmp_path / 'hydra'}", "optimization.max_update=4"], env=ENV,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["optimizer_history"][-1][
+        "num_updates"] == 4
     # from tmp_path, run/checkpoint_last.pt names that file; hydra reads it from hydra.run.dir, where it is not
     proc = subprocess.run([*hydra, f"hydra.run.dir={tmp_path / 'hydra2'}", f"checkpoint.save_dir={tmp_path / 'new'}",
                            "checkpoint.restore_file=run/checkpoint_last.pt", "optimization.max_update=4"],
@@ -1127,7 +1134,8 @@ def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, c
                                     ignore_invalid_inputs=True, disable_iterator_cache=True,
                                     required_batch_size_multiple=multiple)
     # where --max-tokens is the limit, a shorter --tokens-per-sample does not help (it was the advice)
-    with pytest.raises(ValueError, match=r"Pass a larger --max-tokens \(8 now\)$"):
+    with pytest.raises(ValueError, match=r"Pass a larger --max-tokens \(8 now\); where the positions end there "
+                                         r"too, --tokens-per-sample 8 or less$"):
         task.get_batch_iterator(task.dataset("valid"), max_tokens=8, max_positions=8, ignore_invalid_inputs=True,
                                 disable_iterator_cache=True)
     # an LRA task cuts its examples with --max-positions (it has no --tokens-per-sample)

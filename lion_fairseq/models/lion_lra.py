@@ -18,6 +18,7 @@ Nystromformer/Skyformer studies, and ``lion_{lit,d,s}_lra_tiny`` is for tests. T
 under torch's ``weights_only`` default and ``--model-overrides "{'lion_form': 'recurrent'}"`` works.
 """
 import argparse
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -35,6 +36,8 @@ from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
                            model_name_arch, refuse_softmax_only_options, set_unset, set_unset_from)
+
+logger = logging.getLogger(__name__)
 
 ORDERS = (*GRID_ORDERS, "two_snake")  # two_snake: two scans, each in an order of its own
 
@@ -179,10 +182,10 @@ def lion_lra_base(args: Any) -> None:
     set_unset(args, DEFAULT_SIZE)
     set_unset_from(args, LionLRAConfig)
     if isinstance(args, argparse.Namespace) and args.lion_order == "two_snake" and args.lion_variant == "lit":
-        # the command line only: a checkpoint trained so still loads (hydra and loading fill no Namespace)
-        raise ValueError("--lion-order two_snake averages the decay masks of a row and a column scan, and LION-LIT "
-                         "has no decay: both masks are all ones, the same model as row_major at twice the cost. Pass "
-                         "--lion-order row_major (or row_snake, col_snake) with LION-LIT, or a LION-D/S arch")
+        # said, not refused: a run started so resumes with the options it was started with
+        logger.warning("--lion-order two_snake averages the decay masks of a row and a column scan, and LION-LIT has "
+                       "no decay: both masks are all ones, the same model as row_major at twice the cost. For a new "
+                       "run pass --lion-order row_major (or row_snake, col_snake) with LION-LIT, or a LION-D/S arch")
 
 
 model_name_arch("lion_lra", lion_lra_base)
