@@ -355,16 +355,22 @@ def test_ddp_backends_that_cannot_run_on_cpu_are_refused_with_what_to_pass(text_
                 pass
 
 
-def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path):
-    """fairseq-train --bf16 turns on fairseq's TPU code and failed in the trainer with "'NoneType' object has
-    no attribute 'xla_device'"; without torch_xla it stops naming fairseq-hydra-train common.bf16=true."""
+def last_line_of_training_with(flag: str, text_data_bin: Path, tmp_path: Path) -> str:
+    """The last line fairseq-train of a tiny LION LM on CPU with ``flag`` writes to stderr, where it fails."""
     proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
                            "--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--optimizer", "adam", "--lr",
                            "0.001", "--criterion", "cross_entropy", "--batch-size", "4", "--max-update", "1",
-                           "--save-dir", str(tmp_path), "--cpu", "--bf16"], capture_output=True, text=True, timeout=600,
+                           "--save-dir", str(tmp_path), "--cpu", flag], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode != 0 and "--bf16 (which fairseq-train turns into --tpu)" in last, proc.stderr[-2000:]
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path):
+    """fairseq-train --bf16 turns on fairseq's TPU code and failed in the trainer with "'NoneType' object has
+    no attribute 'xla_device'"; without torch_xla it stops naming fairseq-hydra-train common.bf16=true."""
+    last = last_line_of_training_with("--bf16", text_data_bin, tmp_path)
+    assert "--bf16 (which fairseq-train turns into --tpu)" in last, last
     assert "fairseq-hydra-train with common.bf16=true" in last
     # --memory-efficient-bf16, which fairseq-train turns into --bf16, is named as typed
     from lion_fairseq.clear_errors import tpu_message
@@ -379,14 +385,8 @@ def test_fp16_without_a_gpu_names_what_runs(text_data_bin, tmp_path, monkeypatch
     float32 and bf16. --memory-efficient-fp16 (which sets --fp16) and --amp run on CPUs, and a GPU runs all."""
     from lion_fairseq.clear_errors import fp16_without_cuda_message
 
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
-                           "--task", "language_modeling", "--arch", "lion_s_lm_tiny", "--optimizer", "adam", "--lr",
-                           "0.001", "--criterion", "cross_entropy", "--batch-size", "4", "--max-update", "1",
-                           "--save-dir", str(tmp_path), "--cpu", "--fp16"], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode != 0 and "--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU" in last, \
-        proc.stderr[-2000:]
+    last = last_line_of_training_with("--fp16", text_data_bin, tmp_path)
+    assert "--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU" in last, last
     assert "fairseq-hydra-train common.fp16=false common.bf16=true common.cpu=true" in last  # the configs set fp16
     assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=True)) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
