@@ -103,8 +103,9 @@ def unreadable_checkpoint_message(path: str, error: BaseException) -> str:
     size = os.path.getsize(path) if os.path.exists(path) else 0
     with open(path, "rb") if size else contextlib.nullcontext() as f:
         start = f.read(4) if f else b""
-    # torch.save writes a zip (a pickle before torch 1.6): a truncated checkpoint still starts as one
-    if start and not start.startswith((b"PK", b"\x80")):
+    # torch.save writes a zip (a pickle before torch 1.6): a truncated checkpoint still starts as one, or with
+    # the zeros a crash leaves in a file whose blocks were allocated but not written
+    if start.strip(b"\x00") and not start.startswith((b"PK", b"\x80")):
         return (f"cannot read {path} ({size} bytes): it is not a checkpoint (torch.save writes a zip file, and this "
                 f"file starts with {start!r}): pass a checkpoint file, a checkpoint_best.pt or checkpoint_last.pt "
                 "of a run's --save-dir")
@@ -191,7 +192,7 @@ def _of_the_file(error: BaseException) -> bool:
     text = str(error)
     return (isinstance(error, (pickle.UnpicklingError, EOFError))
             or (isinstance(error, OSError) and error.errno == errno.EINVAL)  # torch's zip reader, on some cuts
-            or any(s in text for s in ("PytorchStreamReader", "zip archive", "central directory"))
+            or any(s in text for s in ("PytorchStreamReader", "zip archive", "central directory", "legacy .tar"))
             or "pickle" in text.lower())
 
 
@@ -324,16 +325,20 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
 
 
 def bare_weights_message(path: str) -> Optional[str]:
-    """What to say where ``path`` holds tensors by name but no fairseq checkpoint (``torch.save(model.state_dict())``:
-    no config to build the model from); None where it is something else."""
+    """What to say where ``path`` holds weights but no fairseq config to build the model from
+    (``torch.save(model.state_dict())``, or such a dict under ``"model"``); None where it is something else."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file of torch's format before 1.6, which mmap does not read
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - not such a file: fairseq's own error stands
         return None
-    if not isinstance(state, dict) or {"model", "cfg", "args"} & set(state) or \
-            not all(isinstance(value, torch.Tensor) for value in state.values()):
+    weights = state.get("model", state) if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not weights or {"cfg", "args"} & set(state) or \
+            not all(isinstance(value, torch.Tensor) for value in weights.values()):
         return None
-    return (f"cannot load {path}: it holds {len(state)} tensors by name and nothing else, a bare state_dict "
+    return (f"cannot load {path}: it holds {len(weights)} tensors by name and no config, a bare state_dict "
             "(torch.save(model.state_dict())), where a fairseq checkpoint keeps the config that builds the model "
             "beside its weights: pass a checkpoint fairseq-train saved (checkpoint_best.pt), or build the model and "
             "call its load_state_dict on these tensors")
@@ -876,7 +881,11 @@ def _wrap_build_bpe(original):
             with open_dict(args):
                 args.sentencepiece_model = path
         elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py") \
-                and not any(a.startswith(("--post-process", "--remove-bpe")) for a in sys.argv):  # pieces typed in
+                and any(a.startswith(("--post-process", "--remove-bpe")) for a in sys.argv):
+            logger.warning(f"no --bpe given, and --post-process/--remove-bpe: the input is read as sentencepiece pieces, "
+                           f"as fairseq reads it (plain text would be <unk>); to encode plain text with the data's "
+                           f"{SPM}, leave --post-process out, or pass --bpe sentencepiece")
+        elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py"):
             logger.warning(f"no --bpe given: encoding with the data's {SPM}, {path} (pass --bpe and its options for "
                            "another; the input split on whitespace would read every word as <unk>)")
             from .models.hub import sentencepiece_bpe
@@ -1181,8 +1190,9 @@ def _from_launch_folder(filename: str) -> Optional[str]:
     return launched if os.path.isfile(launched) else None
 
 
-# what fairseq-train writes (with --checkpoint-suffix -shard0 say: checkpoint_best-shard0.pt)
-SAVED_NAMES = re.compile(r"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_[^-]+)(-.+)?\.pt")
+def saved_names(suffix: str) -> "re.Pattern[str]":
+    """The names fairseq-train writes in --save-dir with ``--checkpoint-suffix suffix`` (and a shard's)."""
+    return re.compile(rf"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_.+){re.escape(suffix)}(-shard\d+)?\.pt")
 
 
 def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
@@ -1191,10 +1201,11 @@ def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
     folder holds a checkpoint_last.pt fairseq resumes that instead of fine-tuning. None otherwise."""
     pretrained = getattr(checkpoint_cfg, "finetune_from_model", None)
     save_dir = str(getattr(checkpoint_cfg, "save_dir", "") or "")
-    if not pretrained or not SAVED_NAMES.fullmatch(os.path.basename(pretrained)) \
+    suffix = str(getattr(checkpoint_cfg, "checkpoint_suffix", "") or "")
+    if not pretrained or not saved_names(suffix).fullmatch(os.path.basename(pretrained)) \
             or os.path.dirname(os.path.abspath(pretrained)) != os.path.abspath(save_dir):
         return None
-    last = os.path.join(save_dir, "checkpoint_last.pt")
+    last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
     resumed = (f"; and fairseq resumes {last} instead, the run that is there, without fine-tuning from it"
                if os.path.isfile(last) else "")
     return (f"--finetune-from-model {pretrained} lies in --save-dir {save_dir}, under a name this run writes: it "

@@ -486,8 +486,11 @@ def test_finetune_from_a_folder_or_from_the_save_dir_is_refused(text_data_bin, t
 
     from lion_fairseq.clear_errors import finetune_in_save_dir_message
 
-    for name, refused in (("checkpoint_best-shard0.pt", True), ("checkpoint3.pt", True), ("lion.pt", False)):
-        cfg = Namespace(finetune_from_model=str(tmp_path / "new" / name), save_dir=str(tmp_path / "new"))
+    for name, suffix, refused in (("checkpoint_best_v2.pt", "_v2", True), ("checkpoint_best-shard0.pt", "", True),
+                                  ("checkpoint3.pt", "", True), ("checkpoint_best-pretrained.pt", "", False),
+                                  ("checkpoint_best.pt", "_v2", False), ("lion.pt", "", False)):
+        cfg = Namespace(finetune_from_model=str(tmp_path / "new" / name), save_dir=str(tmp_path / "new"),
+                        checkpoint_suffix=suffix)
         assert (finetune_in_save_dir_message(cfg) is not None) == refused, name
 
 

@@ -1090,9 +1090,17 @@ def test_check_checkpoint_stops_on_a_missing_file_and_reads_older_checkpoints_po
     from fairseq import checkpoint_utils
 
     bare = tmp_path / "weights.pt"
-    torch.save(torch.nn.Linear(3, 4).state_dict(), bare)
-    with pytest.raises(clear_errors.CheckpointError, match=r"it holds 2 tensors by name and nothing else, a bare "):
-        checkpoint_utils.load_checkpoint_to_cpu(str(bare))
+    weights = torch.nn.Linear(3, 4).state_dict()
+    for saved, legacy in ((weights, False), ({"model": weights}, False), (weights, True)):  # legacy: torch < 1.6's
+        torch.save(saved, bare, _use_new_zipfile_serialization=not legacy)
+        with pytest.raises(clear_errors.CheckpointError, match=r"it holds 2 tensors by name and no config, a bare "):
+            checkpoint_utils.load_checkpoint_to_cpu(str(bare))
+    # zeros where a crash left a file's blocks unwritten: a truncated checkpoint, with what to do about it
+    zeros = tmp_path / "checkpoint_last.pt"
+    zeros.write_bytes(bytes(1000))
+    assert "truncated or corrupt" in check_checkpoint.explain(str(zeros))
+    with pytest.raises(clear_errors.CheckpointError, match="truncated or corrupt"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(zeros))
 
 
 def test_samples_that_fairseqs_batching_drops_or_skips_are_said(text_data_bin, caplog):
