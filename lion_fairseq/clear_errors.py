@@ -880,17 +880,17 @@ def _wrap_build_bpe(original):
                 and OmegaConf.is_missing(args, "sentencepiece_model"):
             with open_dict(args):
                 args.sentencepiece_model = path
-        elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py") \
-                and any(a.startswith(("--post-process", "--remove-bpe")) for a in sys.argv):
-            logger.warning(f"no --bpe given, and --post-process/--remove-bpe: the input is read as sentencepiece pieces, "
-                           f"as fairseq reads it (plain text would be <unk>); to encode plain text with the data's "
-                           f"{SPM}, leave --post-process out, or pass --bpe sentencepiece")
         elif path and name is None and os.path.basename(sys.argv[0]) in ("fairseq-interactive", "interactive.py"):
-            logger.warning(f"no --bpe given: encoding with the data's {SPM}, {path} (pass --bpe and its options for "
-                           "another; the input split on whitespace would read every word as <unk>)")
-            from .models.hub import sentencepiece_bpe
+            if any(a.startswith(("--post-process", "--remove-bpe")) for a in sys.argv):  # pieces typed in
+                logger.warning("no --bpe given, and --post-process/--remove-bpe: the input is read as sentencepiece "
+                               "pieces, as fairseq reads it (plain text would be <unk>); to encode plain text with "
+                               f"the data's {SPM}, leave --post-process out, or pass --bpe sentencepiece")
+            else:
+                logger.warning(f"no --bpe given: encoding with the data's {SPM}, {path} (pass --bpe and its options "
+                               "for another; the input split on whitespace would read every word as <unk>)")
+                from .models.hub import sentencepiece_bpe
 
-            return sentencepiece_bpe(path)
+                return sentencepiece_bpe(path)
         return original(self, args)
     build_bpe.__lion_wrapped__ = True
     return build_bpe
