@@ -139,10 +139,7 @@ class LionAttentionTransferCriterion(FairseqCriterion):
 
     def forward(self, model: nn.Module, sample: Dict, reduce: bool = True):
         src = sample["net_input"]["src_tokens"]
-        stack = model.encoder.sentence_encoder.layers
-        # by index: iterating fairseq's LayerDropModuleList (--encoder-layerdrop) in training mode skips layers,
-        # and the rest would be paired with the wrong teacher layers
-        layers = [stack[i] for i in range(len(stack))]
+        layers = model.encoder.sentence_encoder.every_layer()  # each paired with its teacher layer, under LayerDrop too
         states = self._teacher_states(src, next(model.parameters()))
         if len(states) != len(layers):
             raise ValueError(f"the teacher has {len(states)} layers and the model {len(layers)}: "

@@ -121,6 +121,11 @@ class LionSentenceEncoder(FairseqEncoder):
         self.unseen = (f"{cfg.encoder_attention_heads} heads, {'pre' if cfg.encoder_normalize_before else 'post'}-norm "
                        f"layers, activation {cfg.activation_fn}")
 
+    def every_layer(self) -> List[nn.Module]:
+        """The layers, all of them: iterating fairseq's LayerDropModuleList (``--encoder-layerdrop``) in
+        training mode skips some, as the forward wants and code that changes or pairs the layers does not."""
+        return [self.layers[i] for i in range(len(self.layers))]
+
     def forward(self, src_tokens: Tensor, return_all_hiddens: bool = False, **unused) -> Dict[str, List[Tensor]]:
         """src_tokens: ``(B, T)``. Returns ``encoder_out`` ``[(T, B, C)]``, ``encoder_padding_mask``
         ``[(B, T)]`` and, with ``return_all_hiddens``, ``encoder_states`` (the embeddings and every

@@ -102,9 +102,7 @@ class LionLRAModel(ClearLoadErrors, BaseFairseqModel):
     def _two_scan_layers(self, cfg: Any, height: int, width: int) -> None:
         """Swap every layer's attention for the two-snake one (same options, its own weights)."""
         kwargs = lion_attention_kwargs(cfg)
-        # by index: iterating fairseq's LayerDropModuleList (--encoder-layerdrop) in training mode skips layers
-        for i in range(len(self.encoder.layers)):
-            layer = self.encoder.layers[i]
+        for layer in self.encoder.every_layer():
             attn = LionTwoScanAttention(cfg.encoder_embed_dim, cfg.encoder_attention_heads, height=height,
                                         width=width, **kwargs)
             if cfg.attention_dropout > 0:  # the layer's dropout hook sits on the attention's out_proj
