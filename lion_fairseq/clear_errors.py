@@ -324,16 +324,23 @@ def changed_since_training(trained: Any, building: Any) -> List[str]:
     return changes
 
 
-def bare_weights_message(path: str) -> Optional[str]:
-    """What to say where ``path`` holds weights but no fairseq config to build the model from
-    (``torch.save(model.state_dict())``, or such a dict under ``"model"``); None where it is something else."""
+def safely_loaded(path: str) -> Any:
+    """``path`` as torch's safe (``weights_only``) load reads it, memory-mapped where it can be; None where it
+    cannot be read so (no torch file, or one holding more than tensors and plain containers)."""
     try:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # a file of torch's format before 1.6, which mmap does not read
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - not such a file: fairseq's own error stands
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - whatever the reason, not such a file
         return None
+
+
+def bare_weights_message(path: str) -> Optional[str]:
+    """What to say where ``path`` holds weights but no fairseq config to build the model from
+    (``torch.save(model.state_dict())``, or such a dict under ``"model"``); None where it is something else
+    (fairseq's own error stands)."""
+    state = safely_loaded(path)
     weights = state.get("model", state) if isinstance(state, dict) else None
     if not isinstance(weights, dict) or not weights or {"cfg", "args"} & set(state) or \
             not all(isinstance(value, torch.Tensor) for value in weights.values()):

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .clear_errors import LION_MODELS, CheckpointError, PACKAGE_DIR, load_checkpoint_file
+from .clear_errors import LION_MODELS, CheckpointError, PACKAGE_DIR, load_checkpoint_file, safely_loaded
 
 
 @dataclass(frozen=True)
@@ -255,10 +255,7 @@ def check_dictionaries(data: str, target: Target, config: Dict[str, Any], extra:
 
 def converted_before(path: str) -> bool:
     """Whether ``path`` is a checkpoint that a conversion wrote, which running it again may replace."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # not a checkpoint, or one that needs more than tensors and plain containers
-        return False
+    state = safely_loaded(path)
     return isinstance(state, dict) and "converted_from" in (state.get("extra_state") or {})
 
 
