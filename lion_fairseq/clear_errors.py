@@ -1016,11 +1016,13 @@ def _wrap_get_batch_iterator(original):
         call.apply_defaults()
         a = call.arguments
         split = next((name for name, d in getattr(self, "datasets", {}).items() if d is dataset), None)
-        from fairseq.tasks import TASK_REGISTRY
 
-        name = next((name for name, cls in TASK_REGISTRY.items() if type(self) is cls), None)
-        skipped = functools.partial(all_skipped_message, split, len(dataset), a["max_positions"], name,
-                                    a["max_tokens"])
+        def skipped() -> str:  # the task's name looked up only for the message
+            from fairseq.tasks import TASK_REGISTRY
+
+            name = next((name for name, cls in TASK_REGISTRY.items() if type(self) is cls), None)
+            return all_skipped_message(split, len(dataset), a["max_positions"], name, a["max_tokens"])
+
         try:
             itr = original(self, dataset, *args, **kwargs)
         except IndexError as e:  # fairseq's batch_by_size on no indices
@@ -1226,9 +1228,12 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
     to start from it; any other missing file is a wrong path."""
     from fairseq.file_io import PathManager
 
-    if os.path.isdir(filename) and filename == getattr(checkpoint_cfg, "finetune_from_model", None):
-        return (f"--finetune-from-model {filename} is a folder, and fairseq would train from random weights instead: "
-                "pass a checkpoint file in it (its checkpoint_best.pt, say)")
+    if os.path.isdir(filename):  # fairseq takes a folder for a file, then finds no checkpoint in it
+        option, name = (("--finetune-from-model", "checkpoint_best.pt")
+                        if filename == getattr(checkpoint_cfg, "finetune_from_model", None)
+                        else ("--restore-file", "checkpoint_last.pt"))
+        return (f"{option} {filename} is a folder, and fairseq would train from random weights instead: pass a "
+                f"checkpoint file in it (its {name}, say)")
     if getattr(checkpoint_cfg, "restore_file", "checkpoint_last.pt") == "checkpoint_last.pt" \
             or PathManager.isfile(filename):
         return None
@@ -1237,9 +1242,6 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
         return (f"--restore-file {filename} does not exist in hydra's run folder {os.getcwd()}, which is where "
                 "fairseq-hydra-train reads a relative path from, and fairseq would train from random weights instead: "
                 f"pass its absolute path, {launched}")
-    if os.path.isdir(filename):
-        return (f"--restore-file {filename} is a folder, and fairseq would train from random weights instead: pass "
-                "a checkpoint file in it (its checkpoint_last.pt, say)")
     resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
                                                          "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
     # fairseq reads any other name than the default from the current folder, not from --save-dir
