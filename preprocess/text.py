@@ -92,8 +92,9 @@ def _check_options(args: argparse.Namespace) -> None:
     trained = {os.path.realpath(name): name for name in args.input or ()}
     for split in ("valid", "test"):  # a split inside the training text scores what the model learned by heart
         for name in getattr(args, split) or ():
-            if os.path.realpath(name) in trained:
-                raise PreprocessError(f"--{split} {name} is also an --input file ({trained[os.path.realpath(name)]}): "
+            same = trained.get(os.path.realpath(name))
+            if same is not None:
+                raise PreprocessError(f"--{split} {name} is also an --input file ({same}): "
                                       f"the {split} split would be text the model trains on; pass another file, or "
                                       f"leave --{split} out to hold out lines of --input")
 

@@ -68,9 +68,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--mask-prompt needs exactly one <mask>, got {args.mask_prompt!r}")
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("--prompt must not be empty")
-    inside = [f for f in args.corpus or () if Path(f).resolve().is_relative_to(args.workdir.resolve())]
-    if args.fresh and inside:  # what --fresh removes
-        raise ValueError(f"--corpus {inside[0]} lies inside --workdir {args.workdir}, which --fresh removes: move "
+    inside = args.fresh and next((f for f in args.corpus or () if Path(f).resolve().is_relative_to(
+        args.workdir.resolve())), None)
+    if inside:  # what --fresh removes
+        raise ValueError(f"--corpus {inside} lies inside --workdir {args.workdir}, which --fresh removes: move "
                          "the file out of it, or leave --fresh out")
     if not (REPO_ROOT / "preprocess" / "text.py").is_file():
         raise ValueError(f"the demo needs the checkout's preprocess/ package (python -m preprocess.text), "
