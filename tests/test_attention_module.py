@@ -215,3 +215,8 @@ def test_module_under_torch_compile_equals_eager_with_gradients(form, forms_run)
     torch.testing.assert_close(y, eager, rtol=1e-6, atol=1e-7)
     for got, expected in zip(*reversed(grads)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_variant_by_its_papers_name_is_refused_with_the_letter_to_use():
+    with pytest.raises(ValueError, match=r"variant \(--lion-variant\) must be one of .*LION-RETNET is 'd'"):
+        LionAttention(16, 2, "retnet")

@@ -661,6 +661,8 @@ def test_bad_arguments_name_the_argument():
                            lion_attention(q, k, v, f, b, form=form, key_padding_mask=mask))
     with pytest.raises(ValueError, match="state"):
         lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1)))
+    with pytest.raises(ValueError, match=r"state must be the pair \(S, z\)"):  # not a bare unpacking error
+        lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, (torch.zeros(1, 1, 1, 1),))
     _, state = lion_step(q[:, :, 0], k[:, :, 0], v[:, :, 0])
     with pytest.raises(ValueError, match="log_a_t"):
         lion_step(q[:, :, 1], k[:, :, 1], v[:, :, 1], f[:, :, :2], state)

@@ -102,6 +102,9 @@ def lion_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, log_a_t: Optional[Tensor] =
     if state is None:
         S, z = kv, k
     else:
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise ValueError(f"state must be the pair (S, z) that lion_step returned (or None to start); got "
+                             f"{type(state).__name__}{f' of {len(state)}' if isinstance(state, (tuple, list)) else ''}")
         S, z = state
         if S.shape != kv.shape or z.shape != k.shape:
             raise ValueError(f"state must be (S, z) of shapes {tuple(kv.shape)} and {tuple(k.shape)}; "
