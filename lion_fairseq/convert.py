@@ -53,7 +53,9 @@ TARGETS = {
     "lion_roberta": Target(
         teacher="roberta", task=("--task", "masked_lm", "--criterion", "masked_lm", "--load-checkpoint-heads"),
         criterion="MaskedLmLoss", hub="LionRobertaModel", dictionaries=("dict.txt",),
-        values=dict(_sizes("encoder"), max_positions=("--max-positions", "--tokens-per-sample")),
+        values=dict(_sizes("encoder"), activation_fn=("--activation-fn",),
+                    pooler_activation_fn=("--pooler-activation-fn",),
+                    max_positions=("--max-positions", "--tokens-per-sample")),
         switches=dict(encoder_normalize_before=("--encoder-normalize-before",),
                       layernorm_embedding=("--layernorm-embedding", "--no-layernorm-embedding"),
                       untie_weights_roberta=("--untie-weights-roberta",))),
@@ -315,11 +317,14 @@ def convert(checkpoint: str, out: str, arch: str, data: Optional[str] = None,
     saved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     if saved.get("bpe") is None:  # no --bpe passed: the hub encodes as the teacher did
         saved["bpe"] = teacher_bpe(state)
+    # a new run's data loader state (epoch 1): fairseq starts a file without one at epoch 0, an epoch too many
     torch.save({"cfg": saved, "args": None,
                 "model": model.state_dict(), "criterion": None,
                 "optimizer_history": [{"criterion_name": target.criterion, "optimizer_name": "none",
                                        "lr_scheduler_state": {}, "num_updates": 0}],
-                "task_state": {}, "extra_state": {"converted_from": os.path.abspath(checkpoint)},
+                "task_state": {},
+                "extra_state": {"converted_from": os.path.abspath(checkpoint),
+                                "train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
                 "last_optimizer_state": None}, out)
     return model.eval(), teacher_flags(differing, target, extra) + extra
 

@@ -169,6 +169,23 @@ def test_convert_a_roberta_saved_as_released(roberta, tmp_path):
         assert "updates, a softmax Transformer, 2 layers" in text and "(no gates)" not in text, text
 
 
+def test_convert_takes_a_robertas_activations_from_its_config(roberta, tmp_path, capsys):
+    """The weights do not show the activation: a RoBERTa trained with relu (and a tanh-free pooler) converts so,
+    and the command it prints carries them on."""
+    from lion_fairseq import convert
+
+    state = torch.load(roberta, map_location="cpu", weights_only=False)
+    vars(state["cfg"]["model"]).update(activation_fn="relu", pooler_activation_fn="linear")  # roberta's Namespace
+    teacher = tmp_path / "relu" / "model.pt"
+    teacher.parent.mkdir()
+    torch.save(state, teacher)
+    shutil.copy(roberta.parent / "dict.txt", teacher.parent / "dict.txt")
+    assert convert.main([str(teacher), str(tmp_path / "lion.pt"), "--arch", "lion_s_tiny"]) == 0
+    model = torch.load(tmp_path / "lion.pt", weights_only=True)["cfg"]["model"]
+    assert (model["activation_fn"], model["pooler_activation_fn"]) == ("relu", "linear")
+    assert "--activation-fn relu --pooler-activation-fn linear" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra,option", [(["--encoder-ffn-embed-dim", "96"], "--encoder-ffn-embed-dim"),
                                           # the same words, another width: not the dictionary's fault
                                           (["--encoder-embed-dim", "32"], "--encoder-embed-dim"),
@@ -240,8 +257,10 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
     assert torch.isfinite(hub.extract_features(hub.encode("the value of the"))).all()
     proc = fairseq_cli("train", str(text_data_bin), "--user-dir", USER_DIR, *TRAIN, "--arch", "lion_d_tiny", *SIZE,
                        "--max-update", "1", "--save-dir", str(tmp_path / "run"), "--restore-file", str(out),
-                       "--reset-optimizer", "--reset-dataloader", "--reset-meters", "--reset-lr-scheduler")
-    assert "num_updates" in proc.stdout
+                       "--reset-optimizer", "--reset-meters", "--reset-lr-scheduler")
+    # the converted file starts a run at epoch 1, as a new one, also where the data loader's state is read from it
+    assert "num_updates" in proc.stdout and "begin training epoch 1" in proc.stdout, proc.stdout[-2000:]
+    assert "epoch 0" not in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "lion_fairseq.convert", str(roberta), str(tmp_path / "x.pt"),
                           "--arch", "lion_s_tiny", "--encoder-layers", "4"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
