@@ -1204,6 +1204,15 @@ def saved_names(suffix: str) -> "re.Pattern[str]":
     return re.compile(rf"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_.+){re.escape(suffix)}(-shard\d+)?\.pt")
 
 
+def written_by_this_run(path: str, checkpoint_cfg: Any) -> bool:
+    """Whether fairseq-train saves over ``path``: a name it writes (with the run's ``--checkpoint-suffix``)
+    in the run's ``--save-dir``."""
+    suffix = str(getattr(checkpoint_cfg, "checkpoint_suffix", "") or "")
+    save_dir = str(getattr(checkpoint_cfg, "save_dir", "") or "")
+    return bool(saved_names(suffix).fullmatch(os.path.basename(path))) \
+        and os.path.dirname(os.path.abspath(path)) == os.path.abspath(save_dir)
+
+
 def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
     """What to say where ``--finetune-from-model`` names a file in ``--save-dir`` that fairseq-train writes
     there (fairseq's default ``checkpoints`` for both runs, say): the run would save over it, and where the
@@ -1211,8 +1220,7 @@ def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
     pretrained = getattr(checkpoint_cfg, "finetune_from_model", None)
     save_dir = str(getattr(checkpoint_cfg, "save_dir", "") or "")
     suffix = str(getattr(checkpoint_cfg, "checkpoint_suffix", "") or "")
-    if not pretrained or not saved_names(suffix).fullmatch(os.path.basename(pretrained)) \
-            or os.path.dirname(os.path.abspath(pretrained)) != os.path.abspath(save_dir):
+    if not pretrained or not written_by_this_run(pretrained, checkpoint_cfg):
         return None
     last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
     resumed = (f"; and fairseq resumes {last} instead, the run that is there, without fine-tuning from it"
@@ -1242,6 +1250,12 @@ def missing_restore_file_message(filename: str, checkpoint_cfg: Any) -> Optional
         return (f"--restore-file {filename} does not exist in hydra's run folder {os.getcwd()}, which is where "
                 "fairseq-hydra-train reads a relative path from, and fairseq would train from random weights instead: "
                 f"pass its absolute path, {launched}")
+    typed = str(getattr(checkpoint_cfg, "restore_file", "") or "")
+    if typed != filename and PathManager.isfile(typed):  # fairseq put --checkpoint-suffix into the name
+        suffix = getattr(checkpoint_cfg, "checkpoint_suffix", "")
+        return (f"--restore-file {typed} is read as {filename}, which does not exist: fairseq adds --checkpoint-suffix "
+                f"{suffix} to that name too, and would train from random weights instead. To start from {typed}, "
+                "pass it as --finetune-from-model (read as given, for a new run) or copy it to that name")
     resets = [f"--{name.replace('_', '-')}" for name in ("reset_optimizer", "reset_lr_scheduler", "reset_meters",
                                                          "reset_dataloader") if getattr(checkpoint_cfg, name, False)]
     # fairseq reads any other name than the default from the current folder, not from --save-dir
@@ -1398,6 +1412,13 @@ def _wrap_trainer_load_checkpoint(original):
                     "model on its weights without a word. Pass the options the run was started with; to start the "
                     "changed model from these weights, pass --reset-optimizer --reset-lr-scheduler --reset-meters "
                     "--reset-dataloader (or --finetune-from-model) and a new --save-dir"))
+            if written_by_this_run(filename, self.cfg.checkpoint):  # the new model would replace the run's files
+                raise CheckpointError(in_launchers_terms(
+                    f"cannot start another model from {filename}: it was trained as another model than this "
+                    f"command builds ({'; '.join(changes)}), and it lies in --save-dir under a name this run "
+                    "writes, so the changed model would save over that run's checkpoints. Pass a new --save-dir "
+                    f"(with --restore-file {os.path.abspath(filename)} or --finetune-from-model); to resume the run, "
+                    "pass the options it was started with"))
             if teacher:
                 logger.warning(f"lion: starting from the softmax model {filename}, whose weights were trained with "
                                f"another structure than this model's: {'; '.join(changes)}. Pass the teacher's to "

@@ -461,6 +461,11 @@ def test_missing_restore_file_of_another_name_is_refused(text_data_bin, tmp_path
     assert (f"does not exist (a relative path is read from the current folder, not --save-dir: pass --restore-file "
             f"{tmp_path / 'run' / 'checkpoint_1_5.pt'}, which exists)") in missing_restore_file_message(
                 Cfg.restore_file, Cfg)
+    # fairseq adds --checkpoint-suffix to --restore-file's name too: the file typed exists, the one read does not
+    Cfg.restore_file, Cfg.checkpoint_suffix = str(tmp_path / "run" / "checkpoint_1_5.pt"), "_b"
+    assert (f"--restore-file {Cfg.restore_file} is read as {tmp_path / 'run' / 'checkpoint_1_5_b.pt'}, which does not "
+            "exist: fairseq adds --checkpoint-suffix _b to that name too") in missing_restore_file_message(
+                str(tmp_path / "run" / "checkpoint_1_5_b.pt"), Cfg)
 
 
 def test_finetune_from_a_folder_or_from_the_save_dir_is_refused(text_data_bin, tmp_path):

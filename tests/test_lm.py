@@ -362,6 +362,13 @@ def test_resume_as_another_model_is_refused(lit_trained, text_data_bin, tmp_path
             "--decoder-attention-heads 2 -> --decoder-attention-heads 4") in last
     assert (tmp_path / "checkpoint_last.pt").read_bytes() == before
     resets = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader"]
+    # ... and with them in the same --save-dir, the changed model would save over the run's checkpoints
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *changed, *resets, "--save-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "the changed model would save over that run's checkpoints. Pass a new " \
+        "--save-dir" in last, proc.stderr[-3000:]
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == before
     proc = fairseq_cli("train", *changed, *resets, "--save-dir", str(tmp_path / "new"), "--restore-file",
                        str(lit_trained))
     assert "trained as another model than this one: --lion-feature-map elu -> --lion-feature-map silu_norm" \
