@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-header", action="store_true",
                    help="the files have no header row (e.g. CoLA); columns must be indices")
     p.add_argument("--regression", action="store_true", help="labels are real numbers (e.g. STS-B)")
+    p.add_argument("--label-divisor", type=float, default=1.0, metavar="D",
+                   help="with --regression: write each label divided by D (fairseq's RoBERTa recipe takes "
+                        "STS-B's 0-5 scores to 0-1 with 5)")
     p.add_argument("--skip-bad-rows", action="store_true",
                    help="skip rows with too few columns instead of failing (QQP has a few)")
     p.add_argument("--workers", type=int, default=1, help="processes for fairseq's binariser")
@@ -93,7 +96,7 @@ def _resolve(spec: str, header: Optional[List[str]], path: Path, option: str) ->
 
 
 def read_table(path: Path, option: str, specs: Tuple[str, Optional[str], str], has_header: bool,
-               label_required: bool, regression: bool, skip_bad: bool) -> Table:
+               label_required: bool, regression: bool, skip_bad: bool, label_divisor: float = 1.0) -> Table:
     """Read the needed columns of one TSV file, failing with file:line on anything malformed."""
     require_file(path, option)
     table = Table(path)
@@ -140,7 +143,8 @@ def read_table(path: Path, option: str, specs: Tuple[str, Optional[str], str], h
                 if not _is_number(label):
                     raise PreprocessError(f"{path}:{number}: label {label!r} is not a finite number "
                                           f"(--regression)")
-                label = repr(float(label))
+                value = float(label)  # rounded where divided, as 4.2 / 5 reads 0.8400000000000001
+                label = repr(value if label_divisor == 1 else round(value / label_divisor, 12))
             elif not label or label.split() != [label]:
                 raise PreprocessError(f"{path}:{number}: label {label!r} is empty or contains spaces")
             table.labels.append(label)
@@ -181,6 +185,10 @@ def run(args: argparse.Namespace) -> Path:
     """Do the whole conversion for parsed ``args``; return the finished ``--destdir``."""
     if args.workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {args.workers}")
+    if args.label_divisor != 1 and not args.regression:
+        raise PreprocessError("--label-divisor divides real-valued labels: it needs --regression")
+    if not 0 < args.label_divisor < math.inf:
+        raise PreprocessError(f"--label-divisor must be a finite number > 0, got {args.label_divisor}")
     specs = _column_specs(args)
     sp = vocab.load_spm(require_file(args.spm, "--spm"), "--spm")
     vocab.check_dict_matches(sp, require_file(args.dict, "--dict"), "--dict")
@@ -189,7 +197,7 @@ def run(args: argparse.Namespace) -> Path:
         files["test"] = (args.test, "--test")
     check_destdir(args.destdir, args.force, [*files.values(), (args.spm, "--spm"), (args.dict, "--dict")])
     tables = {split: read_table(path, opt, specs, not args.no_header, split != "test", args.regression,
-                                args.skip_bad_rows) for split, (path, opt) in files.items()}
+                                args.skip_bad_rows, args.label_divisor) for split, (path, opt) in files.items()}
 
     classes: Optional[List[str]] = None
     if not args.regression:
@@ -239,13 +247,15 @@ def run(args: argparse.Namespace) -> Path:
             "pair": tables["train"].sentence2 is not None,
             "labelled_splits": sorted(labelled),
             "regression": args.regression,
+            "label_divisor": args.label_divisor,
             "num_classes": 1 if args.regression else len(classes),
             "classes": classes,
         }
         (stage / "preprocess.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
     rows = ", ".join(f"{s} {len(t.line_numbers)}" for s, t in tables.items())
-    what = ("regression: pass --regression-target --num-classes 1" if args.regression else
+    divided = f" (labels divided by {args.label_divisor:g})" if args.label_divisor != 1 else ""
+    what = (f"regression{divided}: pass --regression-target --num-classes 1" if args.regression else
             f"{len(classes)} classes ({', '.join(f'{c}={i}' for i, c in enumerate(classes))}): "
             f"pass --num-classes {len(classes)}")
     print(f"done: {args.destdir}: rows {rows}; {what}")

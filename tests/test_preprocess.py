@@ -221,6 +221,22 @@ def test_glue_single_sentence_regression_no_header(corpus, text_bin, tmp_path, c
     assert batch["target"].view(-1).tolist() == pytest.approx([float(r[0]) for r in rows[:8]])
 
 
+
+def test_glue_label_divisor_scales_regression_labels_and_needs_regression(corpus, text_bin, tmp_path, capsys):
+    """STS-B's 0-5 scores divided by 5 as fairseq's RoBERTa recipe does, written without float noise."""
+    root, lines = corpus
+    rows = [(lines[i], lines[i + 1], label) for i, label in enumerate(["4.2", "0", "5.0", "3.8"] * 4)]
+    for split in ("train", "dev"):
+        write_tsv(tmp_path / f"{split}.tsv", ("sentence1", "sentence2", "score"), rows)
+    common = ["--train", str(tmp_path / "train.tsv"), "--dev", str(tmp_path / "dev.tsv"), "--spm",
+              str(text_bin / "sentencepiece.bpe.model"), "--dict", str(text_bin / "dict.txt"), "--columns",
+              "sentence1,sentence2,score", "--label-divisor", "5"]
+    assert glue_cli.main([*common, "--destdir", str(tmp_path / "classes")]) != 0
+    assert "--label-divisor divides real-valued labels: it needs --regression" in capsys.readouterr().err
+    assert glue_cli.main([*common, "--regression", "--destdir", str(tmp_path / "stsb")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "stsb" / "label" / "valid.label").read_text().split()[:4] == ["0.84", "0.0", "1.0", "0.76"]
+
+
 # ---- bad input: clear message, non-zero exit, no destdir that looks complete ---------------------
 
 def _bad_text_inputs(tmp: Path):

@@ -16,7 +16,7 @@ case "$TASK" in
   SST-2) COLUMNS=sentence,label ;;
   MRPC)  COLUMNS=3,4,0 ;;
   QQP)   COLUMNS=question1,question2,is_duplicate; EXTRA=(--skip-bad-rows) ;;
-  STS-B) COLUMNS=sentence1,sentence2,score; EXTRA=(--regression) ;;
+  STS-B) COLUMNS=sentence1,sentence2,score; EXTRA=(--regression --label-divisor 5) ;;  # 0-5 to 0-1, as fairseq's
   MNLI)  COLUMNS=sentence1,sentence2,gold_label; DEV=dev_matched.tsv ;;
   QNLI)  COLUMNS=question,sentence,label ;;
   RTE|WNLI) COLUMNS=sentence1,sentence2,label ;;
