@@ -495,13 +495,26 @@ def _wrap_language_modeling_load_dataset(original):
 
 
 def _wrap_eval_lm_dataloader(original):
+    """Over-long samples stop eval-lm where --tokens-per-sample made them (the "none" break mode), and are
+    warned of where they are the data's own lines (eos, complete, ...); a context window that takes a block
+    past the model's positions stops it, naming both options (the model's own error named neither)."""
     @functools.wraps(original)
     def eval_lm_dataloader(self, dataset, *args, **kwargs):
-        names = ["max_tokens", "batch_size", "max_positions"]
-        limit = dict(zip(names, args)).get("max_positions", kwargs.get("max_positions"))
-        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample,
-                                    str(getattr(self.args, "sample_break_mode", "none")))
-        if message and self.args.tokens_per_sample > limit:
+        names = ["max_tokens", "batch_size", "max_positions", "num_shards", "shard_id", "num_workers",
+                 "data_buffer_size", "context_window"]
+        given = {**dict(zip(names, args)), **kwargs}
+        limit, context = given.get("max_positions"), given.get("context_window") or 0
+        # fairseq-eval-lm has taken the context off --tokens-per-sample: each block is read after up to that much
+        read = self.args.tokens_per_sample + context
+        if context > 0 and isinstance(limit, int) and read > limit:
+            raise ValueError(
+                f"fairseq-eval-lm --context-window {context}: each block of --tokens-per-sample minus the context "
+                f"({self.args.tokens_per_sample} tokens) is read after up to {context} tokens of context, {read} "
+                f"tokens in all, past the model's {limit} positions: pass --tokens-per-sample {limit} or less, with "
+                f"--context-window below it (--tokens-per-sample {limit} --context-window {limit // 2}, say)")
+        break_mode = str(getattr(self.args, "sample_break_mode", "none"))
+        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample, break_mode)
+        if message and break_mode == "none":
             raise ValueError(message)
         if message:
             logger.warning(message)
