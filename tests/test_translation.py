@@ -30,12 +30,31 @@ def mt_data(tmp_path_factory) -> Path:
     return out
 
 
+def model_args(variant: str, cross: str, *args: str) -> List[str]:
+    return ["--arch", f"lion_{variant}_transformer_tiny", "--lion-cross-attention", cross, "--lion-chunk-size", "4",
+            *args]
+
+
 def build(data: Path, variant: str, cross: str, *args: str):
     torch.manual_seed(0)
-    task, model = build_model(data, "translation", "--arch", f"lion_{variant}_transformer_tiny",
-                              "--lion-cross-attention", cross, "--lion-chunk-size", "4", *args)
+    task, model = build_model(data, "translation", *model_args(variant, cross, *args))
     task.load_dataset("test")
     return task, model.eval()
+
+
+def save_checkpoint(path: Path, data: Path, variant: str, cross: str, *args: str):
+    """(task, model) as build() gives them, the model saved untrained at ``path`` as fairseq-train saves it."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    ns = training_args(data, "translation", *model_args(variant, cross, *args))
+    cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(ns), resolve=True, enum_to_str=True)
+    task, model = build(data, variant, cross, *args)
+    history = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "none", "lr_scheduler_state": {},
+                "num_updates": 0}]
+    torch.save({"cfg": cfg, "args": None, "model": model.state_dict(), "optimizer_history": history,
+                "extra_state": {}}, path)
+    return task, model
 
 
 def batch(task, n: int = 6):
@@ -373,6 +392,32 @@ def test_layerdrop_and_pruning_as_in_transformer(mt_data, trained):
         want = getattr(full, stack).layers[kept].state_dict()
         for name, tensor in layers[0].state_dict().items():
             assert torch.equal(tensor, want[name]), (stack, name)
+
+
+@pytest.mark.parametrize("side, keep", [("decoder", [0, 2]), ("encoder", [1])])
+def test_layers_to_keep_of_one_side_keeps_every_layer_of_the_other(mt_data, tmp_path, side, keep):
+    """The README's --model-overrides "{'decoder_layers_to_keep': '0,2'}" alone: fairseq's pruning kept a layer
+    only where a side's list named it, so the other side lost every layer and the load failed. The other side
+    stays whole, the model is the kept layers' and the config asks no later load to prune again."""
+    import copy
+
+    from fairseq import checkpoint_utils
+
+    layers = ["--encoder-layers", "3", "--decoder-layers", "3"]
+    task, full = save_checkpoint(tmp_path / "layerdrop.pt", mt_data, "s", "softmax", *layers,
+                                 "--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5")
+    (pruned,), cfg = checkpoint_utils.load_model_ensemble(
+        [str(tmp_path / "layerdrop.pt")], arg_overrides={f"{side}_layers_to_keep": ",".join(map(str, keep))})
+    other = "encoder" if side == "decoder" else "decoder"
+    assert (len(getattr(pruned, side).layers), len(getattr(pruned, other).layers)) == (len(keep), 3)
+    assert cfg.model.encoder_layers_to_keep is None and cfg.model.decoder_layers_to_keep is None
+    expected = copy.deepcopy(full)
+    stack = getattr(expected, side)
+    stack.layers = torch.nn.ModuleList([stack.layers[i] for i in keep])
+    stack.num_layers = len(keep)
+    sample = batch(task)["net_input"]
+    with torch.no_grad():
+        torch.testing.assert_close(pruned.eval()(**sample)[0], expected(**sample)[0])
 
 
 def test_eval_lm_on_a_translation_checkpoint_names_what_scores_it(mt_data, trained, tmp_path):

@@ -15,6 +15,8 @@ Layer and module names are fairseq's, so a softmax ``transformer`` checkpoint st
 (``upgrade_state_dict_named``, ``models/convert.py``): every tensor loads as it is, cross-attention's
 into either kind, and LION-D/S gates start by the rule."""
 import argparse
+import contextlib
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional
 
@@ -25,7 +27,7 @@ from fairseq.models.transformer import (TransformerConfig, TransformerDecoderBas
                                         TransformerModelBase)
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
-from omegaconf import II
+from omegaconf import II, OmegaConf, open_dict
 from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_task
@@ -119,6 +121,34 @@ class LionTransformerDecoderLayer(TransformerDecoderLayerBase):
                                   encoder_decoder_attention=True)
 
 
+@contextlib.contextmanager
+def other_side_kept_whole(model_cfg: Any, state_dict: Dict[str, Tensor]):
+    """While fairseq prunes ``state_dict`` (``prune_state_dict``, from ``model_cfg``): where only one side's
+    ``*_layers_to_keep`` is given, the other side's is every layer the checkpoint holds. fairseq keeps a layer
+    only where some side's list names it, so it dropped every layer of the side not given. The config is
+    left as fairseq leaves it (both None once pruned), so that no saved checkpoint asks to prune again."""
+    given = [side for side in ("encoder", "decoder") if getattr(model_cfg, f"{side}_layers_to_keep", None)]
+    if len(given) != 1:
+        yield
+        return
+    other = "decoder" if given == ["encoder"] else "encoder"
+    # the keys fairseq's pruning pass for that side matches: "<side>...layers.<n>."
+    layers = sorted({int(m.group(1)) for key in state_dict for m in [re.match(rf"{other}.*\.layers\.(\d+)\.", key)]
+                     if m})
+    option = f"{other}_layers_to_keep"
+
+    def set_option(value: Optional[str]) -> None:
+        with open_dict(model_cfg) if OmegaConf.is_config(model_cfg) else contextlib.nullcontext():
+            setattr(model_cfg, option, value)
+
+    was = getattr(model_cfg, option, None)
+    set_option(",".join(map(str, layers)) or None)
+    try:
+        yield
+    finally:
+        set_option(was)
+
+
 class LionTransformerEncoder(TransformerEncoderBase):
     def build_encoder_layer(self, cfg):
         return checkpointed(LionEncoderLayer(
@@ -148,6 +178,12 @@ class LionTransformerModel(ClearLoadErrors, DataBpeHub, TransformerModelBase):
         BaseFairseqModel.add_args.__func__(cls, parser)
         fix_lion_flags(parser)
         refuse_softmax_only_options(parser)
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        """fairseq's load, where a LayerDrop checkpoint pruned on one side only (``--model-overrides
+        "{'decoder_layers_to_keep': '0,2'}"``) keeps every layer of the other."""
+        with other_side_kept_whole(model_cfg, state_dict):
+            return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
         """fairseq's own upgrades, then a softmax ``transformer``'s weights made this model's: what fairseq
