@@ -198,6 +198,37 @@ def test_options_reach_the_layers_and_bad_ones_are_refused(mt_data):
             build(mt_data, "s", "softmax", *given)
 
 
+@pytest.mark.parametrize("attention_dropout", [0.9, 0.0])
+def test_attention_dropout_reaches_the_decoders_lion_and_linear_attention(mt_data, attention_dropout):
+    """--attention-dropout reached the encoder and softmax cross-attention only, and was silently ignored by
+    the decoder's LION self-attention and linear cross-attention: both drop their output (LION forms no
+    weights) in train mode, as the encoder's layers do, and not in eval mode."""
+    _, model = build(mt_data, "s", "linear", "--attention-dropout", str(attention_dropout), "--dropout", "0")
+    src, prev = torch.tensor([[5, 6, 7, 8, 2]]), torch.tensor([[2, 9, 10, 11]])
+    with torch.no_grad():
+        enc = model.encoder(src, torch.tensor([5]))
+    dropped = {}  # the share of zeros in each attention's output, as its output projection reads it
+    for name in ("self_attn", "encoder_attn"):
+        attention = getattr(model.decoder.layers[0], name)
+        attention.out_proj.register_forward_pre_hook(
+            lambda _module, args, name=name: dropped.__setitem__(name, args[0].eq(0).float().mean().item()))
+
+    def twice():
+        with torch.no_grad():
+            return [model.decoder(prev, encoder_out=enc)[0] for _ in range(2)]
+
+    model.decoder.train()
+    first, second = twice()
+    if attention_dropout:
+        assert not torch.allclose(first, second)
+        assert min(dropped.values()) > 0.5, dropped
+    else:
+        torch.testing.assert_close(first, second)
+    model.decoder.eval()
+    torch.testing.assert_close(*twice())
+    assert max(dropped.values()) == 0, dropped
+
+
 def test_norm_after_reaches_the_linear_cross_attention(mt_data):
     """``--lion-norm-after`` normalises the linear cross-attention's heads too: with the released recipe's
     unnormalised sums its output no longer grows with the source (past fp16's range on long ones)."""

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_task
 from ..lra.ordering import ORDERS as GRID_ORDERS, ordering
+from ..modules.encoder_layer import drop_attention_output
 from ..modules.two_scan_attention import LionTwoScanAttention
 from .lion_encoder import LionSentenceEncoder, complete_encoder_config
 from .lion_options import (LionOptions, arch_filling, boolean_optional, fix_lion_flags, lion_attention_kwargs,
@@ -105,8 +106,7 @@ class LionLRAModel(ClearLoadErrors, BaseFairseqModel):
         for layer in self.encoder.every_layer():
             attn = LionTwoScanAttention(cfg.encoder_embed_dim, cfg.encoder_attention_heads, height=height,
                                         width=width, **kwargs)
-            if cfg.attention_dropout > 0:  # the layer's dropout hook sits on the attention's out_proj
-                attn.out_proj.register_forward_pre_hook(layer._drop_attention_output)
+            drop_attention_output(attn, layer.attention_dropout_module)  # the layer's, which eval() turns off
             layer.self_attn = attn
 
     @classmethod

@@ -25,13 +25,13 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
 from fairseq.models.transformer import (TransformerConfig, TransformerDecoderBase, TransformerEncoderBase,
                                         TransformerModelBase)
-from fairseq.modules import MultiheadAttention
+from fairseq.modules import FairseqDropout, MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from omegaconf import II, OmegaConf, open_dict
 from torch import Tensor
 
 from ..clear_errors import ClearLoadErrors, check_task
-from ..modules.encoder_layer import LionEncoderLayer
+from ..modules.encoder_layer import LionEncoderLayer, drop_attention_output
 from ..modules.seq2seq_attention import LinearCrossAttention, LionSelfAttention
 from .convert import TRANSLATION, check_ties, is_softmax_transformer, softmax_to_lion
 from .hub import DataBpeHub
@@ -63,7 +63,9 @@ class LionTransformerConfig(LionOptions):
     activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
         default="relu", metadata={"help": "activation function of the FFN"})
     dropout: Optional[float] = field(default=None, metadata={"help": "dropout probability (default: the arch's)"})
-    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on the attention output"})
+    attention_dropout: float = field(
+        default=0.0, metadata={"help": "dropout on the output of LION's attention and of linear cross-attention "
+                                       "(which form no attention weights), on softmax cross-attention's weights"})
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN activation"})
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "share decoder input and output embeddings"})
@@ -107,7 +109,16 @@ def transformer_config(cfg: Any) -> TransformerConfig:
 
 
 class LionTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer with causal LION self-attention (and linear cross-attention on request)."""
+    """fairseq's decoder layer with causal LION self-attention (and linear cross-attention on request).
+    ``--attention-dropout`` drops the output of both, which form no attention weights, as ``LionEncoderLayer``
+    does; softmax cross-attention drops its weights, as fairseq's."""
+
+    def __init__(self, cfg, no_encoder_attn=False, add_bias_kv=False, add_zero_attn=False):
+        super().__init__(cfg, no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+        self.attention_dropout_module = FairseqDropout(cfg.attention_dropout, module_name=self.__class__.__name__)
+        for attention in (self.self_attn, self.encoder_attn):
+            if attention is not None and not isinstance(attention, MultiheadAttention):
+                drop_attention_output(attention, self.attention_dropout_module)
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         return LionSelfAttention(embed_dim, cfg.decoder.attention_heads, **cfg.lion_attention)

@@ -20,6 +20,25 @@ logger = logging.getLogger(__name__)
 BLOCK_TOKENS = 256
 
 
+class DropInput:
+    """A forward pre-hook that drops a module's input. A callable object, not a closure: deepcopy (fairseq's
+    EMA) and pickle then carry its ``dropout`` along with the layer that holds it."""
+
+    def __init__(self, dropout: FairseqDropout):
+        self.dropout = dropout
+
+    def __call__(self, _module: nn.Module, args: tuple) -> tuple:
+        return (self.dropout(args[0]),) + tuple(args[1:])
+
+
+def drop_attention_output(attention: nn.Module, dropout: FairseqDropout) -> None:
+    """``--attention-dropout`` for an attention that forms no weights to drop (LION's, linear cross-attention):
+    its output is dropped instead, the nearest equivalent, as the input of ``out_proj``, its last step.
+    ``dropout`` is a submodule of the layer, so that ``eval()`` turns it off."""
+    if dropout.p > 0:
+        attention.out_proj.register_forward_pre_hook(DropInput(dropout))
+
+
 class LionEncoderLayer(nn.Module):
     """``x`` ``(T, B, C)`` -> ``(T, B, C)``.
 
@@ -44,9 +63,7 @@ class LionEncoderLayer(nn.Module):
         self.normalize_before = normalize_before
         self.self_attn = LionAttention(embed_dim, num_heads, causal=False, **attention)
         self.attention_dropout_module = FairseqDropout(attention_dropout, module_name=self.__class__.__name__)
-        if attention_dropout > 0:
-            # out_proj is the last step of LionAttention: dropping its input drops the attention output
-            self.self_attn.out_proj.register_forward_pre_hook(self._drop_attention_output)
+        drop_attention_output(self.self_attn, self.attention_dropout_module)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
         self.activation_fn = utils.get_activation_fn(activation=activation_fn)
@@ -57,9 +74,6 @@ class LionEncoderLayer(nn.Module):
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> None:
         """Nothing to upgrade: fairseq's ``TransformerEncoder`` calls this on each of its layers."""
-
-    def _drop_attention_output(self, _module: nn.Module, args: tuple) -> tuple:
-        return (self.attention_dropout_module(args[0]),) + tuple(args[1:])
 
     def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor] = None) -> Tensor:
         """x: ``(T, B, C)``; encoder_padding_mask: ``(B, T)`` bool, True at padding (or None).
