@@ -26,7 +26,8 @@ another model),
 ``LanguageModelingTask.build_model`` (a checkpoint of another kind given to fairseq-eval-lm),
 ``distributed.utils.broadcast_object`` (which resumes a multi-process run through a ``torch.load`` that
 ``weights_only`` refuses), ``FairseqTask.build_generator`` (``--print-alignment`` where no attention
-weights are formed), ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
+weights are formed; ``--score-reference`` of an ensemble with linear cross-attention, which failed averaging
+its attention), ``FairseqTask.add_args`` (a ``--lion-*`` option no model on the command line
 takes), ``models.build_model`` (a model name fairseq does not know; under fairseq-hydra-train, options named
 as hydra spells them), ``SentencePredictionTask.build_model`` (``--num-classes`` against the labels),
 ``FairseqTask.get_batch_iterator`` (the samples ``--required-batch-size-multiple`` drops from a split it
@@ -795,27 +796,63 @@ def _wrap_distributed_model(original):
     return DistributedFairseqModel
 
 
+def has_linear_cross_attention(models: List[torch.nn.Module]) -> bool:
+    from .modules.seq2seq_attention import LinearCrossAttention
+
+    return any(isinstance(m, LinearCrossAttention) for model in models for m in model.modules())
+
+
 def alignment_message(models: List[torch.nn.Module], args: Any) -> Optional[str]:
     """Where ``--print-alignment`` is asked of a model with linear cross-attention, which forms no weights
     over the source to align with (fairseq fails transposing an empty tensor), what to do; else None."""
-    from .modules.seq2seq_attention import LinearCrossAttention
-
-    if not getattr(args, "print_alignment", False):
-        return None
-    if not any(isinstance(m, LinearCrossAttention) for model in models for m in model.modules()):
+    if not getattr(args, "print_alignment", False) or not has_linear_cross_attention(models):
         return None
     return ("--print-alignment reads the decoder's attention weights over the source, and this model's linear "
             "cross-attention (--lion-cross-attention linear) forms none: leave out --print-alignment, or align "
             "with a model trained with --lion-cross-attention softmax (the default)")
 
 
+class AttentionLeftOut:
+    """A model as fairseq's ``SequenceScorer`` calls it (``eval``, forward, ``get_normalized_probs``), the
+    attention over the source left out of its decoder output."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        if len(out) < 2:
+            return out
+        extra = {**out[1], "attn": None} if isinstance(out[1], dict) else None
+        return (out[0], extra, *out[2:])
+
+
+def score_without_attention(generate):
+    """``SequenceScorer.generate`` for an ensemble with linear cross-attention, which forms no attention: the
+    scorer summed each model's attention (``add_`` of None failed after a softmax model's, and a softmax model
+    after a linear one gave its own halved) for alignment only, which such a model refuses
+    (:func:`alignment_message`). Every model's is left out, as a linear model alone gives none."""
+    @functools.wraps(generate)
+    def generate_without_attention(models, sample, **kwargs):
+        return generate([AttentionLeftOut(model) for model in models], sample, **kwargs)
+    return generate_without_attention
+
+
 def _wrap_build_generator(original):
     @functools.wraps(original)
     def build_generator(self, models, args, *rest, **kwargs):
+        from fairseq.sequence_scorer import SequenceScorer
+
         message = alignment_message(models, args)
         if message:
             raise ValueError(message)
-        return original(self, models, args, *rest, **kwargs)
+        generator = original(self, models, args, *rest, **kwargs)
+        if isinstance(generator, SequenceScorer) and has_linear_cross_attention(models):
+            generator.generate = score_without_attention(generator.generate)
+        return generator
     build_generator.__lion_wrapped__ = True
     return build_generator
 

@@ -138,6 +138,32 @@ def test_alignment_is_refused_where_linear_cross_attention_forms_no_weights(mt_d
     task.build_generator([model], Namespace(beam=2))  # without alignment it decodes as before
 
 
+@pytest.mark.parametrize("order", [("softmax", "linear"), ("linear", "softmax")])
+def test_score_reference_scores_an_ensemble_of_both_cross_attentions(mt_data, order):
+    """fairseq-generate --score-reference --path softmax.pt:linear.pt failed in fairseq's SequenceScorer, which
+    averages the models' attention (add_ of linear cross-attention's None); in the other order it averaged the
+    softmax one's alone. The attention serves alignment only, which linear cross-attention refuses: the ensemble
+    scores with none, each token's probability the average of the models'."""
+    from argparse import Namespace
+
+    built = {cross: build(mt_data, "s", cross) for cross in order}
+    task = built[order[0]][0]
+    models = [built[cross][1] for cross in order]
+    sample = batch(task, 3)
+
+    def score(ensemble):
+        with torch.no_grad():
+            return task.build_generator(ensemble, Namespace(score_reference=True)).generate(ensemble, sample)
+
+    alone = [score([model]) for model in models]
+    both = score(models)
+    for i, (hypo,) in enumerate(both):
+        mean = torch.stack([a[i][0]["positional_scores"].exp() for a in alone]).mean(0).log()
+        torch.testing.assert_close(hypo["positional_scores"], mean)
+        assert hypo["attention"] is None
+    assert alone[order.index("softmax")][0][0]["attention"] is not None  # a softmax model alone keeps it
+
+
 def test_builds_from_the_parsers_namespace_as_from_its_config(mt_data):
     """fairseq's legacy path builds a model from the parser's Namespace, which lacks every option not
     typed (their defaults are deleted there): the same model as from the config fairseq-train makes."""
