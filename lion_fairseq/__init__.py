@@ -51,6 +51,8 @@ if FAIRSEQ_PROBLEM is None:
     from . import numpy_compat  # noqa: F401  (fairseq 0.12 reads np.compat.long, gone in numpy 2)
     from . import clean_exit  # (fairseq's prefetching thread aborts an exit that finds it mid-batch)
     clean_exit.install()
+    from . import ngram_blocking  # (fairseq's --no-repeat-ngram-size banned nothing without its CUDA extension)
+    ngram_blocking.install()
     from . import models  # noqa: F401  (registers the models with fairseq)
     from . import tasks  # noqa: F401
     from . import criterions  # noqa: F401

@@ -1,6 +1,7 @@
 """The causal LION language model through fairseq itself: training, fairseq-eval-lm in every form,
 beam search and sampling with recurrent decoding, constant-size decoding state, exact resume."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -768,3 +769,18 @@ def test_hub_a_max_len_a_asked_for_says_where_learned_positions_stop_it(text_dat
     hub = LionLanguageModel.from_pretrained(str(lit_trained.parent), lit_trained.name, str(text_data_bin), max_len_a=1)
     with pytest.warns(UserWarning, match=r"a prompt of 40 tokens continues by at most 23 tokens"):
         hub.sample(prompt, beam=1)
+
+
+def test_no_repeat_ngram_bans_what_would_repeat_without_the_cuda_extension():
+    """fairseq's blocker read the end of the padded token buffer, so --no-repeat-ngram-size banned nothing on
+    CPUs (and GPUs without its CUDA extension): the plugin's demo beam search repeated 'the the the'."""
+    from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+    pad = 1
+    tokens = torch.tensor([[2, 7, 8, 7, pad, pad], [2, 7, 8, 9, pad, pad]])  # step 3: 4 tokens filled
+    for n, banned in ((2, [{8}, set()]), (3, [set(), set()]), (1, [{2, 7, 8}, {2, 7, 8, 9}])):
+        lprobs = NGramRepeatBlock(n, use_extension=False)(tokens, torch.zeros(2, 12), 2, 1, 3)
+        assert [set(torch.nonzero(row == -math.inf).view(-1).tolist()) for row in lprobs] == banned, n
+    tokens[0, 4] = 8  # step 4, '7 8 7 8': the trigram '7 8 7' is banned next
+    lprobs = NGramRepeatBlock(3, use_extension=False)(tokens, torch.zeros(2, 12), 2, 1, 4)
+    assert torch.nonzero(lprobs[0] == -math.inf).view(-1).tolist() == [7]
