@@ -53,6 +53,27 @@ def explain(path: str) -> str:
 
 # a softmax model's arch (by its start) -> the LION arch that starts from it (lion_fairseq.convert)
 STARTS_FROM = (("roberta", "lion_s"), ("transformer_lm", "lion_s_lm"), ("transformer", "lion_s_transformer"))
+# a teacher's settings that convert carries over and that are no model structure: each task takes its own
+NOT_STRUCTURE = ("max_positions", "tokens_per_sample", "max_source_positions", "max_target_positions",
+                 "source_lang", "target_lang")
+
+
+def softmax_start_options(state: dict) -> Optional[str]:
+    """For a softmax checkpoint that LION starts from: LION-S's arch of its kind with the teacher's sizes and
+    layer structure, as ``convert`` takes them (heads and activation included, which its weights do not
+    show); None for other checkpoints."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    from .convert import TARGETS, teacher_config, teacher_flags, trained_model
+    from .models.convert import unrepresentable
+
+    config = teacher_config(state)
+    name = trained_model(config)[0]
+    student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
+    if student is None or unrepresentable(state.get("model", {})):
+        return None
+    structure = {key: value for key, value in config.items() if key not in NOT_STRUCTURE}
+    return " ".join(["--arch", student, *teacher_flags(structure, TARGETS[ARCH_MODEL_NAME_REGISTRY[student]], [])])
 
 
 def _field(section, key: str):
@@ -68,8 +89,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--options", action="store_true",
                         help="print only the options a LION checkpoint was trained as (--arch, its sizes, layer "
-                             "structure and LION options), "
-                             "one line each; an empty line for another checkpoint (for scripts)")
+                             "structure and LION options), or, for a softmax RoBERTa, transformer_lm or transformer, "
+                             "LION-S's arch of its kind with its sizes and structure; one line each; an empty line "
+                             "for another checkpoint (for scripts)")
     parser.add_argument("--max-positions", action="store_true",
                         help="print only the sequence length an encoder checkpoint was trained at (its "
                              "--max-positions), one line each (after --options' line, with both); an empty line "
@@ -84,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 1
             model_cfg = (state.get("cfg") or {}).get("model")
             if args.options:
-                print(trained_as_options(model_cfg) or "")
+                print(trained_as_options(model_cfg) or softmax_start_options(state) or "")
             if args.max_positions:  # with --options, on the line after it
                 print(_field(model_cfg, "max_positions") or _field(state.get("args"), "max_positions") or "")
         return 0

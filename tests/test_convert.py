@@ -186,6 +186,20 @@ def test_convert_takes_a_robertas_activations_from_its_config(roberta, tmp_path,
     assert "--activation-fn relu --pooler-activation-fn linear" in capsys.readouterr().out
 
 
+def test_check_checkpoint_options_of_a_softmax_roberta_build_the_lion_model_it_starts(roberta, text_data_bin, capsys):
+    """glue/finetune.sh fine-tunes with ``check_checkpoint --options``: for a RoBERTa of other sizes than base
+    they were empty, and the recipe stopped asking for the heads that the checkpoint's config holds."""
+    from lion_fairseq.check_checkpoint import main
+
+    assert main(["--options", "--max-positions", str(roberta)]) == 0
+    options, positions = capsys.readouterr().out.splitlines()
+    assert options.startswith("--arch lion_s ") and "--encoder-attention-heads 2" in options, options
+    model = build_model(text_data_bin, "masked_lm", *shlex.split(options), "--max-positions", positions,
+                        "--tokens-per-sample", positions)[1]
+    model.load_state_dict(teacher_state(roberta), strict=True)
+    assert model.encoder.sentence_encoder.layers[0].self_attn.num_heads == 2
+
+
 @pytest.mark.parametrize("extra,option", [(["--encoder-ffn-embed-dim", "96"], "--encoder-ffn-embed-dim"),
                                           # the same words, another width: not the dictionary's fault
                                           (["--encoder-embed-dim", "32"], "--encoder-embed-dim"),

@@ -22,7 +22,7 @@ MAX_EPOCH=${MAX_EPOCH:-10}
 whole BATCH_SIZE 0
 whole MAX_EPOCH
 [ -z "${MAX_UPDATE:-}" ] || whole MAX_UPDATE 0 "the linear decay ends there"
-# the arch, sizes and options the checkpoint was trained as, and the length it was trained at
+# the arch, sizes and options the checkpoint was trained as (a softmax RoBERTa's as lion_s), and its length
 TRAINED_AS=(); TRAINED_POSITIONS=""
 TRAINED=$(python -m lion_fairseq.check_checkpoint --options --max-positions "$CKPT") \
   || die "PRETRAINED_CHECKPOINT $CKPT cannot be used (above)"
