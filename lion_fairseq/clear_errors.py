@@ -1434,10 +1434,17 @@ def _wrap_trainer_load_checkpoint(original):
             cause = e.__cause__ or e.__context__
             if "architectures match" in str(e) and cause is not None and (
                     "do not fit the model being built" in str(cause) or isinstance(cause, ValueError)):
+                from .check_checkpoint import softmax_start_options
+
                 other = other_kind_message(filename, self.cfg.model)
-                trained = trained_as_options(_TRAINED_AS.get(str(filename))) if other is None else None
-                raise CheckpointError(in_launchers_terms(f"cannot start from {filename}: {other or cause}"
-                                                         + (f" It was trained as {trained}." if trained else ""))
+                model = _TRAINED_AS.get(str(filename))
+                trained = trained_as_options(model) if other is None else None
+                # a softmax teacher's heads and structure, which its weights do not show, are in its config
+                teacher = softmax_start_options({"cfg": {"model": model}}) if other is None and not trained \
+                    and model is not None else None
+                said = (f" It was trained as {trained}." if trained else
+                        f" Its config gives LION-S of its kind as {teacher}." if teacher else "")
+                raise CheckpointError(in_launchers_terms(f"cannot start from {filename}: {other or cause}{said}")
                                       ) from e
             if isinstance(e, ValueError) and str(e).startswith("loaded state dict"):  # torch's optimizer
                 raise CheckpointError(in_launchers_terms(

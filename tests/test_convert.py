@@ -326,6 +326,18 @@ def test_restore_file_of_another_models_optimizer_names_reset_optimizer(roberta,
     assert "cannot resume the optimizer of" in proc.stderr and "--reset-optimizer" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_restore_file_of_a_teacher_of_other_sizes_names_its_heads(roberta, text_data_bin, tmp_path):
+    """A RoBERTa of other sizes than the arch's: its weights show the sizes, not the heads, which its config
+    holds; the message gives them (it asked for "the teacher's --encoder-attention-heads")."""
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(text_data_bin), "--user-dir", USER_DIR,
+                           *TRAIN, "--arch", "lion_s_tiny", "--max-update", "1", "--save-dir", str(tmp_path),
+                           "--restore-file", str(roberta), "--reset-optimizer", "--reset-dataloader"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "Its config gives LION-S of its kind as --arch lion_s --encoder-layers 2 " \
+        "--encoder-embed-dim 64 --encoder-ffn-embed-dim 128 --encoder-attention-heads 2" in last, proc.stderr[-2000:]
+
+
 def test_convert_refuses_to_write_over_its_input(roberta, tmp_path):
     """The teacher is data: an output path that names it (here through a symbolic link) is refused, the
     file left as it was."""
