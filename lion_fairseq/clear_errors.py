@@ -496,26 +496,17 @@ def _wrap_language_modeling_load_dataset(original):
 
 
 def _wrap_eval_lm_dataloader(original):
-    """Over-long samples stop eval-lm where --tokens-per-sample made them (the "none" break mode), and are
-    warned of where they are the data's own lines (eos, complete, ...); a context window that takes a block
-    past the model's positions stops it, naming both options (the model's own error named neither)."""
+    """Over-long samples stop eval-lm where --tokens-per-sample made them, and are warned of under
+    ``--sample-break-mode eos``, where they are the data's own lines whatever --tokens-per-sample."""
     @functools.wraps(original)
     def eval_lm_dataloader(self, dataset, *args, **kwargs):
         names = ["max_tokens", "batch_size", "max_positions", "num_shards", "shard_id", "num_workers",
                  "data_buffer_size", "context_window"]
         given = {**dict(zip(names, args)), **kwargs}
-        limit, context = given.get("max_positions"), given.get("context_window") or 0
-        # fairseq-eval-lm has taken the context off --tokens-per-sample: each block is read after up to that much
-        read = self.args.tokens_per_sample + context
-        if context > 0 and isinstance(limit, int) and read > limit:
-            raise ValueError(
-                f"fairseq-eval-lm --context-window {context}: each block of --tokens-per-sample minus the context "
-                f"({self.args.tokens_per_sample} tokens) is read after up to {context} tokens of context, {read} "
-                f"tokens in all, past the model's {limit} positions: pass --tokens-per-sample {limit} or less, with "
-                f"--context-window below it (--tokens-per-sample {limit} --context-window {limit // 2}, say)")
-        break_mode = str(getattr(self.args, "sample_break_mode", "none"))
-        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample, break_mode)
-        if message and break_mode == "none":
+        limit, break_mode = given.get("max_positions"), str(getattr(self.args, "sample_break_mode", "none"))
+        message = over_long_message(getattr(dataset, "sizes", None), limit, self.args.tokens_per_sample, break_mode,
+                                    given.get("context_window") or 0)
+        if message and break_mode != "eos" and self.args.tokens_per_sample > limit:
             raise ValueError(message)
         if message:
             logger.warning(message)
@@ -737,25 +728,36 @@ def _wrap_task_add_args(original):
     return classmethod(add_args)
 
 
-def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int, break_mode: str = "none") -> Optional[str]:
+def over_long_message(sizes: Any, limit: Any, tokens_per_sample: int, break_mode: str = "none",
+                      context_window: int = 0) -> Optional[str]:
     """What fairseq-eval-lm would silently leave out: samples of ``sizes`` (tokens, a numpy array) longer
-    than the model's ``limit`` positions (an int; None or a tuple: no check). None if nothing."""
+    than the model's ``limit`` positions (an int; None or a tuple: no check). None if nothing.
+    ``tokens_per_sample`` is eval-lm's, less ``context_window``."""
     if sizes is None or not isinstance(limit, int) or len(sizes) == 0:
         return None
     longer = sizes > limit
     if not longer.any():
         return None
-    # --tokens-per-sample bounds a sample in the "none" break mode only: eos, complete, ... keep lines whole
-    fix = (f"Pass --tokens-per-sample {min(limit, tokens_per_sample)} or less" if break_mode == "none" else
+    # --tokens-per-sample bounds the samples of "none", packs whole lines up to it under complete(_doc), and
+    # leaves eos's lines whole; eval-lm reads each block with its context window, both within it
+    within = (" with --context-window below it (eval-lm reads each block after up to that many tokens of context, "
+              "--tokens-per-sample tokens in all)" if context_window else "")
+    more = "" if context_window else \
+        " (with --context-window N to give each scored token more context within them)"
+    fix = (f"Pass --tokens-per-sample {min(limit, tokens_per_sample + context_window)} or less{within}"
+           if break_mode == "none" else
+           f"Pass --tokens-per-sample {limit} or less{within} (--sample-break-mode {break_mode} packs whole lines up "
+           "to it, and keeps a longer line whole: --sample-break-mode none cuts those)"
+           if break_mode in ("complete", "complete_doc") else
            f"--sample-break-mode {break_mode} keeps each line whole whatever --tokens-per-sample: pass "
            f"--sample-break-mode none --tokens-per-sample {limit} or less")
     return (f"fairseq-eval-lm: {int(longer.sum())} of {len(sizes)} samples are longer than the model's {limit} "
             f"positions, and fairseq skips them: the loss would cover {int(sizes[~longer].sum())} of "
-            f"{int(sizes.sum())} tokens. {fix} (with --context-window N to give each scored token more context "
-            "within them). Learned positions (LION-LIT's default, --lion-positions learned) end at the training "
-            "length: to score beyond it use a model trained with --lion-positions none (LION-D and LION-S's "
-            "default); sinusoidal ones (fairseq's transformer_lm), and LION-D and LION-S trained with "
-            "--max-target-positions, go further with --model-overrides \"{'max_target_positions': N}\"")
+            f"{int(sizes.sum())} tokens. {fix}{more}. Learned positions (LION-LIT's default, --lion-positions "
+            "learned) end at the training length: to score beyond it use a model trained with --lion-positions "
+            "none (LION-D and LION-S's default); sinusoidal ones (fairseq's transformer_lm), and LION-D and "
+            "LION-S trained with --max-target-positions, go further with --model-overrides "
+            "\"{'max_target_positions': N}\"")
 
 
 def empty_split_message(path: str) -> str:
@@ -1260,7 +1262,7 @@ def written_by_this_run(path: str, checkpoint_cfg: Any) -> bool:
     suffix = str(getattr(checkpoint_cfg, "checkpoint_suffix", "") or "")
     save_dir = str(getattr(checkpoint_cfg, "save_dir", "") or "")
     return bool(saved_names(suffix).fullmatch(os.path.basename(path))) \
-        and os.path.dirname(os.path.abspath(path)) == os.path.abspath(save_dir)
+        and os.path.dirname(os.path.realpath(path)) == os.path.realpath(save_dir)
 
 
 def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
@@ -1470,11 +1472,15 @@ def _wrap_trainer_load_checkpoint(original):
                     "changed model from these weights, pass --reset-optimizer --reset-lr-scheduler --reset-meters "
                     "--reset-dataloader (or --finetune-from-model) and a new --save-dir"))
             if written_by_this_run(filename, self.cfg.checkpoint):  # the new model would replace the run's files
+                suffix = str(getattr(self.cfg.checkpoint, "checkpoint_suffix", "") or "")
+                given = os.path.abspath(filename)  # as typed: fairseq adds --checkpoint-suffix to it again
+                if suffix and given.endswith(suffix + ".pt"):
+                    given = given[:-len(suffix + ".pt")] + ".pt"
                 raise CheckpointError(in_launchers_terms(
                     f"cannot start another model from {filename}: it was trained as another model than this "
                     f"command builds ({'; '.join(changes)}), and it lies in --save-dir under a name this run "
                     "writes, so the changed model would save over that run's checkpoints. Pass a new --save-dir "
-                    f"(with --restore-file {os.path.abspath(filename)} or --finetune-from-model); to resume the run, "
+                    f"(with --restore-file {given} or --finetune-from-model); to resume the run, "
                     "pass the options it was started with"))
             if teacher:
                 logger.warning(f"lion: starting from the softmax model {filename}, whose weights were trained with "

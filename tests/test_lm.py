@@ -513,9 +513,9 @@ def test_eval_lm_advice_follows_the_break_mode():
 def test_language_modeling_wrappers_explain_only_their_own_cases(caplog):
     """The plugin's wrappers of fairseq's language_modeling task step in where they have something to say
     and nowhere else: eval-lm stops on over-long samples only where --tokens-per-sample made them (under
-    --sample-break-mode eos whole lines are, and it warns, whatever --tokens-per-sample), and on a context
-    window that takes a block past the positions; a model's failure to build is explained only where the
-    model is no causal LM and failed as fairseq fails on one."""
+    --sample-break-mode eos whole lines are, and it warns, whatever --tokens-per-sample; complete packs lines
+    up to it); a model's failure to build is explained only where the model is no causal LM and failed as
+    fairseq fails on one."""
     from types import SimpleNamespace
 
     from fairseq.models import ARCH_MODEL_REGISTRY
@@ -530,15 +530,14 @@ def test_language_modeling_wrappers_explain_only_their_own_cases(caplog):
     assert "1 of 2 samples are longer than the model's 64 positions" in caplog.text
     task.args.tokens_per_sample = 1024  # the same lines: the same outcome
     assert dataloader(task, lines, max_positions=64) == "batches"
-    task.args.sample_break_mode = "none"
-    with pytest.raises(ValueError, match="1 of 2 samples are longer"):
-        dataloader(task, lines, max_positions=64)
-    # --tokens-per-sample 96 --context-window 64: blocks of 32 (fairseq took the context off), read as 96
-    task.args.tokens_per_sample, blocks = 32, SimpleNamespace(sizes=np.array([32, 32]))
-    with pytest.raises(ValueError, match=r"--context-window 64: .* 96 tokens in all, past the model's 64 positions: "
-                                         r"pass --tokens-per-sample 64 or less, with --context-window below it"):
-        dataloader(task, blocks, max_positions=64, context_window=64)
-    assert dataloader(task, blocks, max_positions=64, context_window=32) == "batches"
+    for mode in ("none", "complete"):
+        task.args.sample_break_mode = mode
+        with pytest.raises(ValueError, match="1 of 2 samples are longer"):
+            dataloader(task, lines, max_positions=64)
+    # a window of context: the blocks fairseq made (--tokens-per-sample less the window) are not what to pass
+    task.args.tokens_per_sample, task.args.sample_break_mode = 112, "none"  # --tokens-per-sample 512, window 400
+    with pytest.raises(ValueError, match=r"Pass --tokens-per-sample 64 or less with --context-window below it"):
+        dataloader(task, SimpleNamespace(sizes=np.array([112, 112])), max_positions=64, context_window=400)
 
     def failing(error):
         def build_model(self, cfg, *args, **kwargs):

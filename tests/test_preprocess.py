@@ -221,7 +221,6 @@ def test_glue_single_sentence_regression_no_header(corpus, text_bin, tmp_path, c
     assert batch["target"].view(-1).tolist() == pytest.approx([float(r[0]) for r in rows[:8]])
 
 
-
 def test_glue_label_divisor_scales_regression_labels_and_needs_regression(corpus, text_bin, tmp_path, capsys):
     """STS-B's 0-5 scores divided by 5 as fairseq's RoBERTa recipe does, written without float noise."""
     root, lines = corpus
@@ -233,6 +232,8 @@ def test_glue_label_divisor_scales_regression_labels_and_needs_regression(corpus
               "sentence1,sentence2,score", "--label-divisor", "5"]
     assert glue_cli.main([*common, "--destdir", str(tmp_path / "classes")]) != 0
     assert "--label-divisor divides real-valued labels: it needs --regression" in capsys.readouterr().err
+    assert glue_cli.main([*common, "--regression", "--label-divisor", "0", "--destdir", str(tmp_path / "zero")]) != 0
+    assert "--label-divisor must be a finite number > 0, got 0.0" in capsys.readouterr().err
     assert glue_cli.main([*common, "--regression", "--destdir", str(tmp_path / "stsb")]) == 0, capsys.readouterr().err
     assert (tmp_path / "stsb" / "label" / "valid.label").read_text().split()[:4] == ["0.84", "0.0", "1.0", "0.76"]
 

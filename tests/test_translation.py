@@ -253,6 +253,10 @@ def test_attention_dropout_reaches_the_decoders_lion_and_linear_attention(mt_dat
     model.decoder.eval()
     torch.testing.assert_close(*twice())
     assert max(dropped.values()) == 0, dropped
+    # softmax cross-attention drops its weights, as fairseq's: not its output a second time
+    _, softmax = build(mt_data, "s", "softmax", "--attention-dropout", str(attention_dropout), "--dropout", "0")
+    assert not softmax.decoder.layers[0].encoder_attn.out_proj._forward_pre_hooks
+    assert bool(softmax.decoder.layers[0].self_attn.out_proj._forward_pre_hooks) == bool(attention_dropout)
 
 
 def test_norm_after_reaches_the_linear_cross_attention(mt_data):
@@ -460,13 +464,14 @@ def test_layers_to_keep_of_one_side_keeps_every_layer_of_the_other(mt_data, tmp_
 
     from fairseq import checkpoint_utils
 
-    layers = ["--encoder-layers", "3", "--decoder-layers", "3"]
+    depth = {"encoder": 3, "decoder": 4}  # unequal: the side kept whole is told apart from the one pruned
+    layers = ["--encoder-layers", "3", "--decoder-layers", "4"]
     task, full = save_checkpoint(tmp_path / "layerdrop.pt", mt_data, "s", "softmax", *layers,
                                  "--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5")
     (pruned,), cfg = checkpoint_utils.load_model_ensemble(
         [str(tmp_path / "layerdrop.pt")], arg_overrides={f"{side}_layers_to_keep": ",".join(map(str, keep))})
     other = "encoder" if side == "decoder" else "decoder"
-    assert (len(getattr(pruned, side).layers), len(getattr(pruned, other).layers)) == (len(keep), 3)
+    assert (len(getattr(pruned, side).layers), len(getattr(pruned, other).layers)) == (len(keep), depth[other])
     assert cfg.model.encoder_layers_to_keep is None and cfg.model.decoder_layers_to_keep is None
     expected = copy.deepcopy(full)
     stack = getattr(expected, side)

@@ -211,7 +211,10 @@ class LionLMDecoder(FairseqIncrementalDecoder):
         # one past them is what --add-bos-token makes of a --tokens-per-sample sample
         bos = (f", or train with --max-target-positions {longest} (--add-bos-token makes each sample one token longer "
                "than --tokens-per-sample)" if longest == self.max_target_positions + 1 else "")
-        check_learned_positions(longest, self.max_target_positions, shorter=f"shorter inputs{bos}",
+        # fairseq-eval-lm reads each block with its context window: --tokens-per-sample bounds both
+        evaluated = (f"fairseq-eval-lm: --tokens-per-sample {self.max_target_positions} or less, which counts "
+                     "--context-window's tokens too")
+        check_learned_positions(longest, self.max_target_positions, shorter=f"shorter inputs ({evaluated}){bos}",
                                 set_by="--max-target-positions / --tokens-per-sample")
         return positions
 

@@ -31,7 +31,7 @@ def check_lion_options(variant: str, form: str, chunk_size: int, feature_map: st
     """Raise ValueError naming the command-line option for a bad combination (``causal`` None: the
     direction is not known yet, checks that depend on it wait for the module)."""
     if variant not in VARIANTS:
-        retnet = " (LION-RETNET is 'd')" if str(variant).lower() in ("retnet", "d") else ""
+        retnet = " (LION-RETNET is 'd')" if "retnet" in str(variant).lower() or str(variant) == "D" else ""
         raise ValueError(f"variant (--lion-variant) must be one of {VARIANTS}{retnet}; got {variant!r}")
     if form not in FORMS:
         raise ValueError(f"--lion-form must be one of {FORMS}; got {form!r}")
