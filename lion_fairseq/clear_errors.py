@@ -388,6 +388,9 @@ def _wrap_load_checkpoint_to_cpu(original):
         bad = bad_switch_message(arg_overrides or {}) if is_lion_config(model) else None
         if bad:
             raise ValueError(f"{path}: {bad}")
+        extra = state.get("extra_state") or {}
+        if "converted_from" in extra and (extra.get("train_iterator") or {}).get("epoch") == 0:
+            extra["train_iterator"]["epoch"] = 1  # converted before convert wrote it: fairseq's default is 0
         # for the trainer's check that a resumed run is the same model, which follows the read at once
         _TRAINED_AS.clear()
         _TRAINED_AS[str(path)] = model

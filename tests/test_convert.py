@@ -275,6 +275,14 @@ def test_convert_command_then_hub_and_restore_file(roberta, text_data_bin, tmp_p
     # the converted file starts a run at epoch 1, as a new one, also where the data loader's state is read from it
     assert "num_updates" in proc.stdout and "begin training epoch 1" in proc.stdout, proc.stdout[-2000:]
     assert "epoch 0" not in proc.stdout
+    # a file converted before convert wrote its epoch starts at 1 too
+    from fairseq import checkpoint_utils
+
+    older = torch.load(out, weights_only=True)
+    del older["extra_state"]["train_iterator"]
+    torch.save(older, tmp_path / "older.pt")
+    assert checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "older.pt"))["extra_state"]["train_iterator"][
+        "epoch"] == 1
     bad = subprocess.run([sys.executable, "-m", "lion_fairseq.convert", str(roberta), str(tmp_path / "x.pt"),
                           "--arch", "lion_s_tiny", "--encoder-layers", "4"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
