@@ -924,11 +924,22 @@ def _wrap_sentence_prediction_build(original):
     return build_model
 
 
+def _checkpoint_folder() -> Optional[str]:
+    """The folder of the first checkpoint that this fairseq command's ``--path`` names; None without one."""
+    for i, arg in enumerate(sys.argv):
+        value = sys.argv[i + 1] if arg == "--path" and i + 1 < len(sys.argv) else \
+            arg[len("--path="):] if arg.startswith("--path=") else None
+        if value:
+            return os.path.dirname(os.path.abspath(value.split(os.pathsep)[0]))
+    return None
+
+
 def _wrap_build_bpe(original):
     """fairseq-interactive without ``--bpe`` on data that ``python -m preprocess.text`` made split its input on
     whitespace: every word it reads is ``<unk>`` to a sentencepiece dictionary, without a word. Where the data
-    folder holds ``sentencepiece.bpe.model`` it encodes with that, as the hubs do, and says so; ``--bpe
-    sentencepiece`` without ``--sentencepiece-model`` takes it too (it stopped on a missing mandatory value)."""
+    folder (or, as for the hubs, the checkpoint's) holds ``sentencepiece.bpe.model`` it encodes with that, and
+    says so; ``--bpe sentencepiece`` without ``--sentencepiece-model`` takes it too (it stopped on a missing
+    mandatory value)."""
     @functools.wraps(original)
     def build_bpe(self, args):
         from omegaconf import OmegaConf, open_dict
@@ -936,7 +947,7 @@ def _wrap_build_bpe(original):
         from .models.hub import SPM, data_sentencepiece
 
         data = getattr(getattr(self, "cfg", None), "data", None) or getattr(getattr(self, "args", None), "data", None)
-        path = data_sentencepiece([str(data).split(os.pathsep)[0]]) if data else None
+        path = data_sentencepiece([str(data).split(os.pathsep)[0] if data else None, _checkpoint_folder()])
         name = getattr(args, "_name", None) or getattr(args, "bpe", None) if args is not None else None
         if path and name == "sentencepiece" and OmegaConf.is_config(args) \
                 and OmegaConf.is_missing(args, "sentencepiece_model"):
@@ -948,7 +959,7 @@ def _wrap_build_bpe(original):
                                "pieces, as fairseq reads it (plain text would be <unk>); to encode plain text with "
                                f"the data's {SPM}, leave --post-process out, or pass --bpe sentencepiece")
             else:
-                logger.warning(f"no --bpe given: encoding with the data's {SPM}, {path} (pass --bpe and its options "
+                logger.warning(f"no --bpe given: encoding with {path} (pass --bpe and its options "
                                "for another; the input split on whitespace would read every word as <unk>)")
                 from .models.hub import sentencepiece_bpe
 

@@ -18,7 +18,9 @@ def _no_repeat_ngram(self, tokens: torch.Tensor, lprobs: torch.Tensor, bsz: int,
         return lprobs
     for row, ids in enumerate(tokens[:, :step + 1].tolist()):
         prefix = ids[start:]
-        banned = [ids[i + n - 1] for i in range(start) if ids[i:i + n - 1] == prefix]
+        # from 1: position 0 holds the start symbol, </s>, which no n-gram may ban (with n = 1 no hypothesis
+        # could end, and fairseq asserted at the length limit)
+        banned = [ids[i + n - 1] for i in range(1, start) if ids[i:i + n - 1] == prefix]
         if banned:
             lprobs[row, banned] = -math.inf
     return lprobs

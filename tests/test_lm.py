@@ -777,7 +777,7 @@ def test_no_repeat_ngram_bans_what_would_repeat_without_the_cuda_extension():
 
     pad = 1
     tokens = torch.tensor([[2, 7, 8, 7, pad, pad], [2, 7, 8, 9, pad, pad]])  # step 3: 4 tokens filled
-    for n, banned in ((2, [{8}, set()]), (3, [set(), set()]), (1, [{2, 7, 8}, {2, 7, 8, 9}])):
+    for n, banned in ((2, [{8}, set()]), (3, [set(), set()]), (1, [{7, 8}, {7, 8, 9}])):  # never the start's </s>
         lprobs = NGramRepeatBlock(n, use_extension=False)(tokens, torch.zeros(2, 12), 2, 1, 3)
         assert [set(torch.nonzero(row == -math.inf).view(-1).tolist()) for row in lprobs] == banned, n
     tokens[0, 4] = 8  # step 4, '7 8 7 8': the trigram '7 8 7' is banned next

@@ -492,7 +492,7 @@ def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path)
         source = next(line.split("\t")[1] for line in out.splitlines() if line.startswith("S-0"))
         assert "<unk>" not in source and len(source.split()) > len(sentence.split()), out[-2000:]
         assert next(line for line in out.splitlines() if line.startswith("D-0")).split("\t")[2].startswith(sentence)
-        assert ("no --bpe given: encoding with the data's sentencepiece.bpe.model" in out) == (not bpe)
+        assert (f"no --bpe given: encoding with {spm_data / 'sentencepiece.bpe.model'}" in out) == (not bpe)
     # pieces typed in with --post-process sentencepiece, as before: not encoded a second time
     out = run(["fairseq-interactive", spm_data, "--user-dir", USER_DIR, "--task", "language_modeling", "--path",
                tmp_path / "checkpoint_last.pt", "--beam", "2", "--max-len-a", "1", "--max-len-b", "3", "--cpu",
@@ -504,3 +504,10 @@ def test_hubs_encode_with_the_datas_sentencepiece_model(spm_data, mlm, tmp_path)
     shutil.copy(spm_data / "dict.txt", bare)
     with pytest.raises(FileNotFoundError, match="pass sentencepiece_model=<its path>"):
         LionLanguageModel.from_pretrained(str(tmp_path), "checkpoint_last.pt", str(bare), bpe="sentencepiece")
+    # the model beside the checkpoint, where the hubs look too: fairseq-interactive read every word as <unk>
+    shutil.copy(spm_data / "sentencepiece.bpe.model", tmp_path)
+    out = run(["fairseq-interactive", bare, "--user-dir", USER_DIR, "--task", "language_modeling", "--path",
+               tmp_path / "checkpoint_last.pt", "--beam", "2", "--max-len-a", "1", "--max-len-b", "3", "--cpu"],
+              stdin=sentence)
+    assert f"no --bpe given: encoding with {tmp_path / 'sentencepiece.bpe.model'}" in out, out[-2000:]
+    assert "<unk>" not in next(line for line in out.splitlines() if line.startswith("S-0")), out[-2000:]
