@@ -529,28 +529,42 @@ def tpu_message(common: Any) -> Optional[str]:
     flag = "--memory-efficient-bf16" if getattr(common, "memory_efficient_bf16", False) else "--bf16"
     asked = f"{flag} (which fairseq-train turns into --tpu)" if getattr(common, "bf16", False) else "--tpu"
     return (f"{asked} runs fairseq's TPU code, and torch_xla is not installed. For bfloat16 on GPUs (or CPUs) "
-            "use fairseq-hydra-train with common.bf16=true (LION's configs: lion-fairseq's "
+            "use fairseq-hydra-train with common.fp16=false common.bf16=true (LION's configs: lion-fairseq's "
             "user_dir_examples/hydra); fairseq-train's --fp16 and --amp train in float16 instead, on GPUs")
 
 
 def fp16_without_cuda_message(common: Any) -> Optional[str]:
     """Where fairseq-train ``--fp16`` would stop in its FP16Optimizer with "Torch not compiled with CUDA
-    enabled" (or "no NVIDIA driver"), what to do; else None. ``--memory-efficient-fp16`` and ``--amp`` run on
-    CPUs, and LION's hydra configs set ``common.fp16: true``."""
-    if not getattr(common, "fp16", False) or getattr(common, "memory_efficient_fp16", False) \
-            or torch.cuda.is_available():
+    enabled" (or "no NVIDIA driver"), what to do; else None. ``--memory-efficient-fp16`` stops so at the loss
+    scaler's first overflow (the trainer's CUDA tensor), ``--amp`` runs on CPUs, and LION's hydra configs set
+    ``common.fp16: true``."""
+    if not getattr(common, "fp16", False) or torch.cuda.is_available():
         return None
-    return ("--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU, and torch sees none here: leave "
-            "--fp16 out to train in float32 on CPUs (with --cpu; under fairseq-hydra-train common.fp16=false "
-            "common.cpu=true, as LION's configs set common.fp16: true), or train in bfloat16 with "
+    flag = "--memory-efficient-fp16" if getattr(common, "memory_efficient_fp16", False) else "--fp16"
+    return (f"{flag} trains with fairseq's fp16 optimizers, whose loss scaling needs a CUDA GPU, and torch sees none "
+            f"here: leave {flag} out to train in float32 on CPUs (with --cpu; under fairseq-hydra-train "
+            "common.fp16=false common.cpu=true, as LION's configs set common.fp16: true), or train in bfloat16 with "
             "fairseq-hydra-train common.fp16=false common.bf16=true common.cpu=true")
+
+
+def fp16_and_bf16_message(common: Any) -> Optional[str]:
+    """Where both ``common.fp16`` and ``common.bf16`` are set (``common.bf16=true`` over LION's hydra configs,
+    which set ``common.fp16: true``), what to do; else None. fairseq then trains in float16 (fp16 decides the
+    weights' dtype) without loss scaling (bf16 turns it off), and its trainer fails at the first overflow with
+    "'NoneType' object has no attribute 'loss_scale'"."""
+    if not getattr(common, "bf16", False) or not getattr(common, "fp16", False) or getattr(common, "tpu", False):
+        return None
+    return ("common.fp16 and common.bf16 are both true (LION's hydra configs set common.fp16: true): fairseq would "
+            "train in float16 without loss scaling, and stop at the first overflow. For bfloat16 pass "
+            "common.fp16=false common.bf16=true; for float16 leave common.bf16 out")
 
 
 def _wrap_trainer_init(original):
     @functools.wraps(original)
     def __init__(self, cfg, *args, **kwargs):
         common = getattr(cfg, "common", cfg)  # cfg: a config, or a legacy Namespace
-        message = tpu_message(common) or fp16_without_cuda_message(common)  # each names both launchers' terms
+        # each names both launchers' terms
+        message = tpu_message(common) or fp16_and_bf16_message(common) or fp16_without_cuda_message(common)
         if message:
             raise ValueError(message)
         original(self, cfg, *args, **kwargs)

@@ -371,7 +371,7 @@ def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path)
     no attribute 'xla_device'"; without torch_xla it stops naming fairseq-hydra-train common.bf16=true."""
     last = last_line_of_training_with("--bf16", text_data_bin, tmp_path)
     assert "--bf16 (which fairseq-train turns into --tpu)" in last, last
-    assert "fairseq-hydra-train with common.bf16=true" in last
+    assert "fairseq-hydra-train with common.fp16=false common.bf16=true" in last
     # --memory-efficient-bf16, which fairseq-train turns into --bf16, is named as typed
     from lion_fairseq.clear_errors import tpu_message
 
@@ -382,13 +382,18 @@ def test_bf16_on_fairseq_train_names_the_way_that_works(text_data_bin, tmp_path)
 def test_fp16_without_a_gpu_names_what_runs(text_data_bin, tmp_path, monkeypatch):
     """fairseq-train --fp16 on a machine without CUDA (LION's hydra configs set common.fp16: true) stopped in
     fairseq's FP16Optimizer with a traceback ending "Torch not compiled with CUDA enabled"; it stops naming
-    float32 and bf16. --memory-efficient-fp16 (which sets --fp16) and --amp run on CPUs, and a GPU runs all."""
-    from lion_fairseq.clear_errors import fp16_without_cuda_message
+    float32 and bf16. --memory-efficient-fp16 ran until the loss scaler's first overflow, and stopped so then;
+    --amp runs on CPUs, and a GPU runs all. bf16 over fp16 (common.bf16=true over LION's configs) trained in
+    fp16 without loss scaling until the first overflow, on any device: it stops naming common.fp16=false."""
+    from lion_fairseq.clear_errors import fp16_and_bf16_message, fp16_without_cuda_message
 
     last = last_line_of_training_with("--fp16", text_data_bin, tmp_path)
-    assert "--fp16 trains with fairseq's FP16Optimizer, which needs a CUDA GPU" in last, last
+    assert "--fp16 trains with fairseq's fp16 optimizers, whose loss scaling needs a CUDA GPU" in last, last
     assert "fairseq-hydra-train common.fp16=false common.bf16=true common.cpu=true" in last  # the configs set fp16
-    assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=True)) is None
+    assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=True)).startswith(
+        "--memory-efficient-fp16 trains with fairseq's fp16 optimizers, whose loss scaling needs a CUDA GPU")
+    assert "pass common.fp16=false common.bf16=true" in fp16_and_bf16_message(argparse.Namespace(fp16=True, bf16=True))
+    assert fp16_and_bf16_message(argparse.Namespace(fp16=False, bf16=True)) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert fp16_without_cuda_message(argparse.Namespace(fp16=True, memory_efficient_fp16=False)) is None
 
