@@ -773,3 +773,15 @@ def test_kernel_compiles_for_hopper(tmp_path):
     assert all(int(row[6]) > 0 for row in launches)  # registers read from each binary
     # no tensor-core result is transposed, a pattern Triton 3.4-3.7.0 miscompiled on Hopper (fla #640)
     assert all(int(row[9]) == 0 for row in launches), [(row[4], row[5]) for row in launches if int(row[9])]
+
+
+def test_log_says_the_kernel_picks_its_own_chunks(caplog):
+    """--lion-chunk-size sets the torch backend's chunks; the kernel picks its own (the log said "chunks of 7"
+    where it ran 16)."""
+    import lion_fairseq.ops.attention as attention_mod
+
+    attention_mod._log_what_runs.cache_clear()
+    with caplog.at_level("INFO", logger="lion_fairseq.ops.attention"):
+        lion_attention(*make_inputs(20, "head", dtype=torch.float32), form="chunk", backend="triton",
+                       chunk_size=7)
+    assert "chunk form (triton's own chunks, not --lion-chunk-size's) on triton" in caplog.text, caplog.text

@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 def _log_what_runs(form: str, chunk_size: int, backend: str, device: str, dtype: torch.dtype) -> None:
     """One log line per combination that runs in this process: what a run's log cannot otherwise show
     (which backend the chunk form fell to, and the form a ``--model-overrides`` switched to)."""
-    how = f"chunk form (chunks of {chunk_size}) on {backend}" if form == "chunk" else f"{form} form"
+    # the GPU kernels pick their own chunks: chunk_size is the torch backend's
+    chunks = f"chunks of {chunk_size}" if backend == "torch" else f"{backend}'s own chunks, not --lion-chunk-size's"
+    how = f"chunk form ({chunks}) on {backend}" if form == "chunk" else f"{form} form"
     logger.info(f"LION attention: {how}, {device}, {str(dtype).replace('torch.', '')} inputs")
 
 
