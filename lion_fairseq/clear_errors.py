@@ -464,6 +464,8 @@ def unknown_override_message(cfg: Any, overrides: Dict[str, Any]) -> Optional[st
     wrong = []
     for key in sorted(set(overrides) - known - HUB_KEYS):
         near = [n for n in difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if not _other_side(key, n)]
+        if not near and f"lion_{key}" in known:  # 'form' for 'lion_form': too short a key for the ratio
+            near = [f"lion_{key}"]
         if key in newer:  # the config was saved by a lion-fairseq without it (--encoder-layers-to-keep, say)
             wrong.append(f"{key!r} (an option of this model that its config, saved before the option existed, "
                          "has not: a run restarted with --restore-file and the option on the command line takes it)")

@@ -657,6 +657,8 @@ def test_misspelled_model_override_is_refused(trained, text_data_bin):
         eval_lm_in_process(text_data_bin, ckpt, "--model-overrides", "{'lion_fom': 'recurrent'}")
     with pytest.raises(ValueError, match=r"'lion_chunk' \(did you mean 'lion_chunk_size'\)"):
         LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), lion_chunk=8)
+    with pytest.raises(ValueError, match=r"'form' \(did you mean 'lion_form'\)"):  # ran the chunk form unsaid
+        LionLanguageModel.from_pretrained(str(ckpt.parent), ckpt.name, str(text_data_bin), form="recurrent")
     # a switched option's bad value is named in the override's spelling (the model names the training flag,
     # which these tools do not take)
     with pytest.raises(ValueError, match=r"--model-overrides .*'lion_form': 'chunky' is none of 'parallel', "
