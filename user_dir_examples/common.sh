@@ -31,7 +31,7 @@ precision_flags() {
     fp16) echo "--fp16" ;;
     amp) echo "--amp" ;;
     fp32) echo "" ;;
-    bf16) die "PRECISION=bf16: fairseq-train --bf16 takes a TPU code path and crashes in fairseq 0.12; use the hydra recipe (common.bf16=true) or PRECISION=fp16" ;;
+    bf16) die "PRECISION=bf16: fairseq-train --bf16 takes a TPU code path and crashes in fairseq 0.12; use the hydra recipe (common.fp16=false common.bf16=true) or PRECISION=fp16" ;;
     *) die "PRECISION must be fp16, amp, fp32 (or bf16 through the hydra recipe), got '$p'" ;;
   esac
 }
