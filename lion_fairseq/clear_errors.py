@@ -1292,7 +1292,7 @@ def written_by_this_run(path: str, checkpoint_cfg: Any) -> bool:
     suffix = str(getattr(checkpoint_cfg, "checkpoint_suffix", "") or "")
     save_dir = str(getattr(checkpoint_cfg, "save_dir", "") or "")
     return bool(saved_names(suffix).fullmatch(os.path.basename(path))) \
-        and os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(save_dir)  # not the file's link
+        and os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(save_dir)
 
 
 def finetune_in_save_dir_message(checkpoint_cfg: Any) -> Optional[str]:
