@@ -4,7 +4,7 @@ if one cannot be read. Reads the file alone: no model is built."""
 import argparse
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .clear_errors import (PACKAGE_DIR, CheckpointError, describe_weights, intact_checkpoints, load_checkpoint_file,
                            trained_as_options)
@@ -37,7 +37,7 @@ def explain(path: str) -> str:
                 + f" It was trained with this plugin: every fairseq command that reads it needs "
                 f"--user-dir {PACKAGE_DIR} (fairseq-hydra-train: common.user_dir={PACKAGE_DIR}; in Python: "
                 "`import lion_fairseq` before loading). Without it fairseq fails with KeyError: \"'_name'\".")
-    student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
+    student = starting_arch(name)
     if student:
         from .models.convert import unrepresentable
 
@@ -53,6 +53,12 @@ def explain(path: str) -> str:
 
 # a softmax model's arch (by its start) -> the LION arch that starts from it (lion_fairseq.convert)
 STARTS_FROM = (("roberta", "lion_s"), ("transformer_lm", "lion_s_lm"), ("transformer", "lion_s_transformer"))
+
+
+def starting_arch(name: Any) -> Optional[str]:
+    """The LION arch that starts from a softmax model of arch ``name``; None for other models."""
+    return next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
+
 # a teacher's settings that convert carries over and that are no model structure: each task takes its own
 NOT_STRUCTURE = ("max_positions", "tokens_per_sample", "max_source_positions", "max_target_positions",
                  "source_lang", "target_lang")
@@ -69,7 +75,7 @@ def softmax_start_options(state: dict) -> Optional[str]:
 
     config = teacher_config(state)
     name = trained_model(config)[0]
-    student = next((arch for prefix, arch in STARTS_FROM if str(name).startswith(prefix)), None)
+    student = starting_arch(name)
     if student is None or unrepresentable(state.get("model", {})):
         return None
     structure = {key: value for key, value in config.items() if key not in NOT_STRUCTURE}
